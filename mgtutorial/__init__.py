@@ -1,0 +1,21 @@
+"""mgtutorial: multi-GPU training in PyTorch, taught chapter by chapter (see notebooks/).
+
+The public API, re-exported from the modules that define it.
+"""
+
+from .data import load_dataset, train_loader
+from .ddp import DDPConfig, Trainer, load_checkpoint, save_checkpoint
+from .env import describe, resolve_backend
+from .launch import Run, RunResult, WorkerFailed, WorkerNotImportable, launch
+from .live import LivePlot, loss_figure, watch
+from .models import ArticleCNN, ArticleMLP, cnn_flatten_size
+from .runlog import LogReader, RunLog, RunReader, read_run
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArticleCNN", "ArticleMLP", "DDPConfig", "LivePlot", "LogReader", "Run", "RunLog", "RunReader",
+    "RunResult", "Trainer", "WorkerFailed", "WorkerNotImportable", "cnn_flatten_size", "describe",
+    "launch", "load_checkpoint", "load_dataset", "loss_figure", "read_run", "resolve_backend",
+    "save_checkpoint", "train_loader", "watch",
+]

@@ -1,0 +1,233 @@
+"""Data-parallel training with DistributedDataParallel: the Trainer and the chapter-02 worker.
+
+Taught in notebooks/01_single_device.ipynb (one rank) and notebooks/02_ddp.ipynb (two or more).
+Follows https://pytorch.org/docs/stable/notes/ddp.html and
+https://pytorch.org/tutorials/intermediate/ddp_tutorial.html.
+
+From the shell, one node, 2 ranks (gloo on CPU, NCCL with one GPU per rank)::
+
+    python -m mgtutorial ddp --nproc 2 --epochs 2                   # launches its own ranks
+    torchrun --standalone --nproc-per-node 2 -m mgtutorial ddp --epochs 2
+
+Two nodes (run on each, NODE_RANK = 0 and 1, HEAD = the first node's address)::
+
+    torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 4 \\
+             --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m mgtutorial ddp --epochs 2
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import data, env, models, runlog
+
+
+@dataclass(kw_only=True)
+class DDPConfig:
+    """Configuration of :func:`worker` (JSON-serialisable: it crosses the process boundary)."""
+
+    epochs: int = 3
+    """Passes over the training set."""
+    batch_size: int = 32
+    """Samples per rank per step; the effective batch is ``batch_size × world size``."""
+    lr: float = 0.01
+    """SGD learning rate."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    dataset: str = "auto"
+    """"auto" | "digits" | "cifar10" | "synthetic" (see :mod:`mgtutorial.data`)."""
+    data_root: str | None = None
+    """Dataset folder (default ``$MGTUTORIAL_DATA`` or ``~/.cache/mgtutorial/data``)."""
+    download: bool = False
+    """Allow downloading CIFAR-10 if it is missing."""
+    seed: int = 0
+    """Seed for the model's initial weights and the sampler's shuffling (same on every rank)."""
+    shuffle: bool = True
+    """Shuffle the training set each epoch (DistributedSampler with ``seed + epoch``)."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (None: run all epochs)."""
+    backend: str = "auto"
+    """"auto" | "gloo" | "nccl"."""
+    timeout_s: float = 120.0
+    """Collective timeout in seconds: a rank waiting longer for its peers raises."""
+    checkpoint: str | None = None
+    """File to save model + optimizer + epoch to (rank 0) after each epoch; None: no checkpoints."""
+    resume: bool = False
+    """Load ``checkpoint`` if it exists and continue from the first epoch it had not completed."""
+    evaluate: bool = True
+    """Measure test-set accuracy at the end of each epoch."""
+    fail_rank: int = -1
+    """Fault injection for the lessons and tests: this rank raises …"""
+    fail_step: int = -1
+    """… when it reaches this step (−1: never)."""
+
+
+def log_step(log: runlog.RunLog, ctx: env.DistContext, *, step: int, epoch: int, loss: float,
+             samples: int) -> dict:
+    """Log one training step: this rank's ``loss`` and ``global_loss``, its all-reduced mean.
+
+    Every rank must call it at every step (``global_loss`` is a collective).
+    """
+    return log.write(kind="train", step=step, epoch=epoch, loss=loss,
+                     global_loss=env.global_mean(loss, ctx), samples=samples)
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, epoch: int, step: int) -> None:
+    """Write the *unwrapped* model's state_dict, the optimizer's, and progress, atomically.
+
+    ``epoch`` is the number of completed epochs. Saved to ``path.tmp`` then renamed, so a crash
+    never leaves half a file. Call on rank 0 only, then ``barrier`` on every rank.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    module = model.module if isinstance(model, DDP) else model
+    state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
+             "epoch": epoch, "step": step}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None,
+                    device: torch.device | str = "cpu") -> dict:
+    """Load a :func:`save_checkpoint` file into ``model`` (strict) and ``optimizer``.
+
+    ``map_location=device`` puts tensors on this rank's device; ``weights_only=True`` refuses
+    arbitrary pickled code. Returns the checkpoint dict (``epoch``, ``step``).
+    """
+    state = torch.load(path, map_location=device, weights_only=True)
+    (model.module if isinstance(model, DDP) else model).load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return state
+
+
+def apply_ddp(model: nn.Module, ctx: env.DistContext) -> nn.Module:
+    """Move ``model`` to this rank's device, then wrap it in DDP (``device_ids`` only on GPU).
+
+    Returns the model unchanged when there is no process group (a plain single process).
+    """
+    model = model.to(ctx.device)
+    if not ctx.initialized:
+        return model
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+
+
+def build(cfg: DDPConfig, ctx: env.DistContext):
+    """Seeded model, datasets and optimizer for ``cfg`` → (model, train_set, test_set, optimizer)."""
+    env.seed_everything(cfg.seed)
+    train_set, test_set = data.load_dataset(cfg.dataset, cfg.data_root, cfg.download, seed=cfg.seed)
+    in_shape = tuple(train_set[0][0].shape)
+    model = apply_ddp(models.ArticleCNN(in_shape=in_shape), ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    return model, train_set, test_set, optimizer
+
+
+class Trainer:
+    """Trains a (DDP-wrapped) model; every rank runs the same Trainer on its shard of the data.
+
+    Methods: ``_run_batch`` (one step), ``_run_epoch`` (calls ``sampler.set_epoch``), ``evaluate``,
+    public ``train``. Only rank 0 prints and saves.
+    """
+
+    def __init__(self, model, train_set, test_set, optimizer, ctx: env.DistContext, cfg: DDPConfig):
+        self.model, self.optimizer, self.ctx, self.cfg = model, optimizer, ctx, cfg
+        self.loader = data.train_loader(train_set, cfg.batch_size, ctx.rank, ctx.world_size,
+                                        seed=cfg.seed, shuffle=cfg.shuffle)
+        self.test_set = test_set
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.log = runlog.RunLog()
+        self.first_epoch, self.step, self.samples = 0, 0, 0
+        if cfg.resume and cfg.checkpoint and Path(cfg.checkpoint).exists():
+            state = load_checkpoint(cfg.checkpoint, model, optimizer, ctx.device)
+            self.first_epoch, self.step = state["epoch"], state["step"]
+            ctx.print(f"resumed from {cfg.checkpoint}: {self.first_epoch} epoch(s), step {self.step}")
+
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self.ctx.rank == self.cfg.fail_rank and self.step == self.cfg.fail_step:
+            raise RuntimeError(f"injected failure on rank {self.ctx.rank} at step {self.step}")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()  # DDP all-reduces (averages) the gradients here
+        self.optimizer.step()
+        return loss.item()
+
+    def _done(self) -> bool:
+        return self.cfg.max_steps is not None and self.step >= self.cfg.max_steps
+
+    def _run_epoch(self, epoch: int) -> float:
+        self.loader.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        self.model.train()
+        total = 0.0
+        for x, y in self.loader:
+            if self._done():
+                break
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            loss = self._run_batch(x, y)
+            self.step += 1
+            self.samples += len(y)
+            total = log_step(self.log, self.ctx, step=self.step, epoch=epoch, loss=loss,
+                             samples=self.samples)["global_loss"]
+        return total
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """Test accuracy and mean loss over the *whole* test set, each sample counted once.
+
+        Each rank scores its :func:`~mgtutorial.data.eval_shard` with the unwrapped module (no DDP
+        collectives), then one all-reduce sums (correct, loss, count) over ranks.
+        """
+        module = self.model.module if isinstance(self.model, DDP) else self.model
+        module.eval()
+        shard = data.eval_shard(self.test_set, self.ctx.rank, self.ctx.world_size)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
+        for x, y in torch.utils.data.DataLoader(shard, batch_size=256):
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            logits = module(x)
+            sums += torch.stack([(logits.argmax(1) == y).sum().double(),
+                                 nn.functional.cross_entropy(logits, y, reduction="sum").double(),
+                                 torch.tensor(float(len(y)), dtype=torch.float64, device=y.device)])
+        if self.ctx.initialized:
+            torch.distributed.all_reduce(sums)
+        correct, loss_sum, count = sums.tolist()
+        return correct / count, loss_sum / count
+
+    def train(self) -> dict:
+        """Run the epochs (or ``max_steps``); log, evaluate, checkpoint. Returns a summary dict."""
+        start, acc = time.time(), None
+        epoch = self.first_epoch
+        for epoch in range(self.first_epoch, self.cfg.epochs):
+            loss = self._run_epoch(epoch)
+            if self.cfg.evaluate:
+                acc, test_loss = self.evaluate()
+                self.log.write(kind="eval", step=self.step, epoch=epoch, test_acc=acc, test_loss=test_loss)
+            self.ctx.print(f"epoch {epoch + 1}/{self.cfg.epochs}: step {self.step}, global loss "
+                           f"{loss:.4f}" + (f", test accuracy {acc:.1%}" if acc is not None else ""))
+            if self.cfg.checkpoint:
+                if self.ctx.is_main:
+                    save_checkpoint(self.cfg.checkpoint, self.model, self.optimizer, epoch + 1, self.step)
+                if self.ctx.initialized:
+                    torch.distributed.barrier()  # nobody reads the file before it is complete
+            if self._done():
+                break
+        elapsed = time.time() - start
+        self.log.close()
+        return {"rank": self.ctx.rank, "steps": self.step, "epochs_done": epoch + 1,
+                "test_acc": acc, "samples": self.samples, "train_time_s": elapsed,
+                "samples_per_s": self.samples / elapsed if elapsed > 0 else None}
+
+
+def worker(cfg: DDPConfig) -> dict:
+    """Chapter 02's worker: one rank of DDP training of the article's CNN. Returns its summary."""
+    with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
+        model, train_set, test_set, optimizer = build(cfg, ctx)
+        ctx.print(f"{ctx.world_size} rank(s), backend {ctx.backend}, device {ctx.device}, "
+                  f"{len(train_set)} training samples, batch {cfg.batch_size} per rank")
+        return Trainer(model, train_set, test_set, optimizer, ctx, cfg).train()

@@ -231,3 +231,38 @@ def worker(cfg: DDPConfig) -> dict:
         ctx.print(f"{ctx.world_size} rank(s), backend {ctx.backend}, device {ctx.device}, "
                   f"{len(train_set)} training samples, batch {cfg.batch_size} per rank")
         return Trainer(model, train_set, test_set, optimizer, ctx, cfg).train()
+
+
+def combined_batch_reference(cfg: DDPConfig, world_size: int) -> nn.Module:
+    """One plain process trained on what ``world_size`` DDP ranks see together, step by step.
+
+    At each step it takes the union of the ranks' batches (the same indices their
+    DistributedSamplers give) as one batch of ``batch_size × world_size`` samples. With equal
+    per-rank batches, the mean loss over that batch has the average of the ranks' gradients,
+    which is what DDP's all-reduce computes, so the parameters must match DDP's after every step.
+    Runs ``cfg.max_steps`` steps (required) of epoch 0. Returns the trained model (CPU).
+    """
+    if cfg.max_steps is None:
+        raise ValueError("combined_batch_reference needs cfg.max_steps.")
+    ctx = env.DistContext(0, 0, 1, "none", torch.device("cpu"), False)
+    model, train_set, _, optimizer = build(cfg, ctx)
+    loaders = [data.train_loader(train_set, cfg.batch_size, r, world_size, cfg.seed, cfg.shuffle)
+               for r in range(world_size)]
+    for loader in loaders:
+        loader.sampler.set_epoch(0)
+    loss_fn = nn.CrossEntropyLoss()
+    for step, batches in enumerate(zip(*loaders)):
+        if step >= cfg.max_steps:
+            break
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+    return model
+
+
+def max_param_diff(model: nn.Module, state_dict: dict) -> float:
+    """Largest absolute difference between ``model``'s parameters and those in ``state_dict``."""
+    own = model.state_dict()
+    return max((own[k].float() - v.float().cpu()).abs().max().item() for k, v in state_dict.items())

@@ -239,3 +239,29 @@ def describe(nprocs: int | None = None) -> dict:
 def default_nprocs() -> int:
     """Ranks the chapters launch by default: one per GPU when there are at least 2, else 2 CPU ranks."""
     return gpu_count() if gpu_count() >= 2 else 2
+
+
+@dataclass(kw_only=True)
+class HelloConfig:
+    """Configuration of :func:`hello` (chapter 00's first multi-rank program)."""
+
+    backend: str = "auto"
+    """"auto" | "gloo" | "nccl"."""
+
+
+def hello(cfg: HelloConfig) -> dict:
+    """Each rank reports who it is and all-reduces its rank: the sum is 0 + 1 + … + (world size − 1).
+
+    Logs one ``kind="hello"`` record and returns it (rank, local_rank, world_size, backend, device,
+    pid, rank_sum).
+    """
+    with distributed(cfg.backend) as ctx:
+        t = torch.tensor([float(ctx.rank)], device=ctx.device)
+        if ctx.initialized:
+            dist.all_reduce(t)
+        with runlog.RunLog() as log:
+            rec = log.write(kind="hello", local_rank=ctx.local_rank, world_size=ctx.world_size,
+                            backend=ctx.backend, device=str(ctx.device), pid=os.getpid(),
+                            rank_sum=int(t.item()))
+        print(f"[rank {ctx.rank}] hello from pid {os.getpid()} on {ctx.device}", flush=True)
+        return rec

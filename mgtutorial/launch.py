@@ -49,7 +49,8 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from . import env, runlog
 
 # TorchElastic logs every failure with a traceback of its own; we report the root cause instead.
-logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+for _name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
+    logging.getLogger(_name).setLevel(logging.CRITICAL)
 
 _ACTIVE: weakref.WeakSet[Run] = weakref.WeakSet()
 _HANDLED_SIGNALS = tuple(
@@ -218,6 +219,12 @@ def check_config(worker: Callable, cfg, nprocs: int, backend: str) -> tuple[str,
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r}: need at least 1 rank (an int ≥ 1).")
     chosen = env.resolve_backend(backend, nprocs)
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file and not os.path.exists(main_file):
+        raise RuntimeError(
+            f"spawned ranks re-run the main script, and {main_file!r} is not a file (a script fed "
+            "on standard input?). Save it as a .py file and run that, or use python -c / a notebook."
+        )
     ref = _ref_of(worker, "worker")
     if cfg is not None:
         if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):

@@ -213,6 +213,7 @@ class Trainer:
             if self.cfg.checkpoint:
                 if self.ctx.is_main:
                     save_checkpoint(self.cfg.checkpoint, self.model, self.optimizer, epoch + 1, self.step)
+                    self.log.write(kind="checkpoint", step=self.step, epoch=epoch, path=str(self.cfg.checkpoint))
                 if self.ctx.initialized:
                     torch.distributed.barrier()  # nobody reads the file before it is complete
             if self._done():

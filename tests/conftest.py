@@ -1,0 +1,44 @@
+"""Shared fixtures: a run directory per test and the no-leftover-process check."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+
+def rank_processes() -> list[psutil.Process]:
+    """Children of this test process that are not multiprocessing's resource tracker."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.fixture
+def no_leftovers():
+    """Fails the test if any child process it started is still alive 5 s after it ended."""
+    before = {p.pid for p in rank_processes()}
+    yield
+    deadline = time.monotonic() + 5
+    while True:
+        left = [p for p in rank_processes() if p.pid not in before]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for p in left:
+        p.kill()
+    assert not left, f"processes left running: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """A fresh runs directory for this test."""
+    d = tmp_path / "runs"
+    d.mkdir()
+    return d

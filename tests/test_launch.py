@@ -1,0 +1,146 @@
+"""The launcher: checks before start, root-cause failures, stop/interrupt, ports, no leftovers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import psutil
+import pytest
+
+import workers
+from mgtutorial import ddp, env, launch, runlog
+from mgtutorial.launch import WorkerFailed, WorkerNotImportable
+
+
+def defined_in_main(cfg):  # pretend this came from a notebook cell
+    return None
+
+
+defined_in_main.__module__ = "__main__"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("attempt", range(5))
+def test_failing_rank_is_named_within_10s(attempt, runs, no_leftovers):
+    # rank 1 raises at step 2; rank 0 would wait 600 s in its collective if nobody stopped it
+    cfg = ddp.DDPConfig(dataset="synthetic", batch_size=4, fail_rank=1, fail_step=2, timeout_s=600)
+    t0 = time.monotonic()
+    run = launch(ddp.worker, cfg, 2, runs_dir=runs)
+    with pytest.raises(WorkerFailed) as info:
+        run.wait(timeout=30)
+    reported = time.time()
+    elapsed = time.monotonic() - t0
+    err = info.value
+    assert err.rank == 1, str(err)
+    assert err.exc_type == "RuntimeError"
+    assert "injected failure on rank 1 at step 2" in str(err)
+    assert str(run.log_path(1)) in str(err)
+    raised = runlog.read_json(run.run_dir / "rank1.error.json")["time"]
+    assert reported - raised < 10, f"reported {reported - raised:.1f} s after rank 1 raised"
+    assert elapsed < 60, f"launch to report took {elapsed:.1f} s"
+    assert run.status == "failed" and run.alive() == 0
+
+
+@pytest.mark.timeout(30)
+def test_failing_rank_0_is_named_too(runs, no_leftovers):
+    cfg = ddp.DDPConfig(dataset="synthetic", batch_size=4, fail_rank=0, fail_step=1, timeout_s=600)
+    run = launch(ddp.worker, cfg, 2, runs_dir=runs)
+    with pytest.raises(WorkerFailed) as info:
+        run.wait(timeout=30)
+    assert info.value.rank == 0 and "injected failure on rank 0 at step 1" in str(info.value)
+
+
+def test_worker_from_main_is_refused_before_start(runs):
+    with pytest.raises(WorkerNotImportable, match=r"\.py file"):
+        launch(defined_in_main, None, 2, runs_dir=runs)
+    with pytest.raises(WorkerNotImportable, match="<locals>"):
+        launch(lambda cfg: None, None, 2, runs_dir=runs)
+    assert not list(runs.iterdir()), "nothing may be started or created"
+
+
+def test_bad_configurations_are_refused_before_start(runs, monkeypatch):
+    with pytest.raises(ValueError, match="nprocs=0"):
+        launch(env.hello, env.HelloConfig(), 0, runs_dir=runs)
+    monkeypatch.setattr(env, "gpu_count", lambda: 0)
+    with pytest.raises(ValueError, match="needs CUDA GPUs.*gloo"):
+        launch(env.hello, env.HelloConfig(backend="nccl"), 2, runs_dir=runs)
+    monkeypatch.setattr(env, "gpu_count", lambda: 1)
+    with pytest.raises(ValueError, match="2 ranks per node needs 2 GPUs, but 1"):
+        launch(env.hello, env.HelloConfig(), 2, backend="nccl", runs_dir=runs)
+    assert not list(runs.iterdir())
+
+
+@pytest.mark.timeout(30)
+def test_taken_port_gives_clear_error_at_once(runs):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=f"master_port={port}.*already in use"):
+            launch(env.hello, env.HelloConfig(), 2, runs_dir=runs, master_port=port)
+        assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.timeout(60)
+def test_back_to_back_launches_both_succeed(runs, no_leftovers):
+    for _ in range(2):
+        result = launch(env.hello, env.HelloConfig(), 2, runs_dir=runs).wait(timeout=30)
+        assert sorted(result.values) == [0, 1]
+        assert all(v["rank_sum"] == 1 and v["world_size"] == 2 for v in result.values.values())
+        assert {v["rank"] for v in result.values.values()} == {0, 1}
+    assert len(list(runs.iterdir())) == 2
+
+
+def _first_record(run, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not list(run.run_dir.glob("rank*.jsonl")) or not all(
+        run.log_path(r, "jsonl").exists() and run.log_path(r, "jsonl").stat().st_size for r in range(run.nprocs)
+    ):
+        assert time.monotonic() < deadline, "ranks never started logging"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(60)
+def test_stop_leaves_no_process(runs, no_leftovers):
+    run = launch(workers.sleeper, workers.SleepConfig(seconds=120), 2, runs_dir=runs)
+    _first_record(run)
+    pids = list(run.pids.values())
+    assert run.alive() == 2 and run.poll() is None
+    run.stop()
+    assert run.status == "stopped" and run.alive() == 0
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.timeout(60)
+def test_interrupt_while_waiting_stops_all_ranks(runs, no_leftovers):
+    run = launch(workers.sleeper, workers.SleepConfig(seconds=120), 2, runs_dir=runs)
+    _first_record(run)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        run.wait()
+    assert run.status == "stopped" and run.alive() == 0
+
+
+@pytest.mark.timeout(60)
+def test_rank_that_finished_then_aborted_counts_as_finished(runs, no_leftovers):
+    run = launch(workers.finish_then_abort, workers.AbortConfig(rank=1), 2, runs_dir=runs)
+    with pytest.warns(RuntimeWarning, match="every rank finished its work"):
+        result = run.wait(timeout=30)
+    assert result.values == {0: "done", 1: "done"}
+    assert result.exit_codes[1] == -signal.SIGABRT
+
+
+@pytest.mark.timeout(60)
+def test_environment_contract(runs, no_leftovers):
+    result = launch(env.hello, env.HelloConfig(), 2, runs_dir=runs).wait(timeout=30)
+    for r, rec in result.values.items():
+        assert rec["local_rank"] == r and rec["world_size"] == 2 and rec["backend"] == "gloo"
+    out = (result.run_dir / "rank1.out").read_text()
+    assert "[rank 1] hello from pid" in out  # each rank's stdout lands in its own file
+    assert "[rank 1]" not in (result.run_dir / "rank0.out").read_text()

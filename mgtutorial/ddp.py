@@ -120,12 +120,16 @@ def apply_ddp(model: nn.Module, ctx: env.DistContext) -> nn.Module:
     return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
 
 
-def build(cfg: DDPConfig, ctx: env.DistContext):
-    """Seeded model, datasets and optimizer for ``cfg`` → (model, train_set, test_set, optimizer)."""
+def build(cfg: DDPConfig, ctx: env.DistContext, wrap=apply_ddp, model_cls=models.ArticleCNN):
+    """Seeded model, datasets and optimizer for ``cfg`` → (model, train_set, test_set, optimizer).
+
+    ``wrap(model, ctx)`` moves and wraps the model (default :func:`apply_ddp`); ``model_cls(in_shape=...)``
+    builds it (default the article's CNN).
+    """
     env.seed_everything(cfg.seed)
     train_set, test_set = data.load_dataset(cfg.dataset, cfg.data_root, cfg.download, seed=cfg.seed)
     in_shape = tuple(train_set[0][0].shape)
-    model = apply_ddp(models.ArticleCNN(in_shape=in_shape), ctx)
+    model = wrap(model_cls(in_shape=in_shape), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     return model, train_set, test_set, optimizer
 

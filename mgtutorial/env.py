@@ -198,7 +198,7 @@ def distributed(backend: str = "auto", timeout_s: float = 120.0, num_threads: in
 def global_mean(value: float | torch.Tensor, ctx: DistContext) -> float:
     """Mean of ``value`` over all ranks, returned on every rank (an all-reduce, SUM ÷ world size).
 
-    gloo has no ``ReduceOp.AVG``, hence SUM then divide. Identity without a process group.
+    SUM then divide: the same on every backend. Identity without a process group.
     """
     t = torch.as_tensor(value, dtype=torch.float64).detach().reshape(1).to(ctx.device)
     if ctx.initialized and ctx.world_size > 1:

@@ -109,15 +109,16 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None,
     return state
 
 
-def apply_ddp(model: nn.Module, ctx: env.DistContext) -> nn.Module:
+def apply_ddp(model: nn.Module, ctx: env.DistContext, **ddp_kwargs) -> nn.Module:
     """Move ``model`` to this rank's device, then wrap it in DDP (``device_ids`` only on GPU).
 
+    ``ddp_kwargs`` go to DDP (``bucket_cap_mb``, ``find_unused_parameters``, … — chapter 03).
     Returns the model unchanged when there is no process group (a plain single process).
     """
     model = model.to(ctx.device)
     if not ctx.initialized:
         return model
-    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, **ddp_kwargs)
 
 
 def build(cfg: DDPConfig, ctx: env.DistContext, wrap=apply_ddp, model_cls=models.ArticleCNN):

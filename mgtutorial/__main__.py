@@ -36,6 +36,7 @@ def _ddp_parser(sub) -> None:
     p.add_argument("--data-root", default=None)
     p.add_argument("--download", action="store_true", help="allow downloading CIFAR-10")
     p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--no-evaluate", action="store_true", help="skip the test-set accuracy at each epoch end")
     p.add_argument("--backend", default="auto", choices=env.BACKENDS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", default=None, help="checkpoint file (saved by rank 0 each epoch)")
@@ -48,7 +49,7 @@ def _config(args) -> ddp.DDPConfig:
     return ddp.DDPConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, dataset=args.dataset,
                          data_root=args.data_root, download=args.download, max_steps=args.max_steps,
                          backend=args.backend, seed=args.seed, checkpoint=args.checkpoint,
-                         resume=args.resume)
+                         resume=args.resume, evaluate=not args.no_evaluate)
 
 
 def _run_ddp_under_torchrun(args, cfg) -> int:

@@ -215,6 +215,7 @@ def check_config(worker: Callable, cfg, nprocs: int, backend: str) -> tuple[str,
         ValueError: ``nprocs`` < 1, or backend vs hardware (see :func:`mgtutorial.env.resolve_backend`).
         WorkerNotImportable: worker or config class not importable by a child.
         TypeError: config not a dataclass instance or not JSON-serialisable.
+        ValueError: whatever ``cfg.validate(nprocs)`` raises, if the config defines it.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r}: need at least 1 rank (an int ≥ 1).")
@@ -234,6 +235,8 @@ def check_config(worker: Callable, cfg, nprocs: int, backend: str) -> tuple[str,
             json.dumps(dataclasses.asdict(cfg))
         except TypeError as exc:
             raise TypeError(f"cfg {type(cfg).__name__} is not JSON-serialisable: {exc}") from None
+        if callable(getattr(cfg, "validate", None)):
+            cfg.validate(nprocs)  # the config's own checks (e.g. divisibility), before any process
     return ref, chosen
 
 

@@ -140,12 +140,12 @@ class Timeline:
     Events: ``kind="event"``, ``event`` ("forward"|"backward"), ``start``, ``end`` (unix s),
     ``stage``, ``microbatch``, ``step``. Works for hand-written and library schedules alike: forward
     from forward pre/post hooks; backward from the full-backward pre-hook (its start) and a
-    multi-grad hook over the stage's parameters (its end). Meta-tensor passes (shape inference) are
-    ignored. Also tracks the bytes of activations saved for backward (see :meth:`saving`).
+    multi-grad hook over the stage's parameters (its end). Also tracks the bytes of activations saved for backward (see :meth:`saving`).
     """
 
     def __init__(self, module: nn.Module, stage: int, log: runlog.RunLog):
         self.stage, self.log, self.step = stage, log, 0
+        self.ignore_forwards = 0  # forward passes to leave out (shape inference), see worker()
         self.fwd = self.bwd = 0
         self._t0 = self._b0 = 0.0
         self.live_bytes = self.peak_bytes = 0
@@ -159,13 +159,14 @@ class Timeline:
         self.step, self.fwd, self.bwd, self.peak_bytes = step, 0, 0, self.live_bytes
 
     def _fwd_start(self, module, args):
-        if not args[0].is_meta:
-            self._t0 = time.time()
+        self._t0 = time.time()
 
     def _fwd_end(self, module, args, out):
-        if not args[0].is_meta:
-            self._event("forward", self.fwd, self._t0)
-            self.fwd += 1
+        if self.ignore_forwards:
+            self.ignore_forwards -= 1
+            return
+        self._event("forward", self.fwd, self._t0)
+        self.fwd += 1
 
     def _bwd_start(self, module, grad_out):
         self._b0 = time.time()
@@ -265,6 +266,9 @@ def worker(cfg: PipelineConfig) -> dict:
             stage = PipelineStage(module, s, p, ctx.device)
             cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
             schedule = cls(stage, cfg.n_microbatches, loss_fn=nn.functional.cross_entropy)
+            # the library runs one extra forward before its first step to infer shapes; it is not
+            # part of the schedule, so the timeline leaves it out
+            timeline.ignore_forwards = 1
         losses, peaks, times = [], [], []
         for step, (x, y) in enumerate(batches(cfg), start=1):
             if s == cfg.fail_stage and step == 2:

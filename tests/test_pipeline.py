@@ -1,0 +1,135 @@
+"""Chapter 04: every pipeline schedule equals the unsplit model; timelines; memory; failures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mgtutorial import launch, models, runlog
+from mgtutorial import pipeline as P
+from mgtutorial.launch import WorkerFailed
+
+
+def _run(cfg, runs, n=2):
+    run = launch(P.worker, cfg, n, runs_dir=runs)
+    return run, run.wait(timeout=90)
+
+
+def _assert_equals_unsplit(run, res, cfg, n=2):
+    ref, ref_losses = P.unsplit_reference(cfg)
+    got = P.gather_params(run.run_dir, cfg, n)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+    assert res.values[n - 1]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_hand_gpipe_equals_library_gpipe_and_1f1b_equals_unsplit(runs, no_leftovers):
+    params = {}
+    for schedule in ("hand-gpipe", "gpipe", "1f1b"):
+        cfg = P.PipelineConfig(schedule=schedule, n_microbatches=4, batch_size=32, steps=3)
+        run, res = _run(cfg, runs)
+        _assert_equals_unsplit(run, res, cfg)
+        params[schedule] = P.gather_params(run.run_dir, cfg, 2)
+    for k in params["gpipe"]:
+        torch.testing.assert_close(params["hand-gpipe"][k], params["gpipe"][k])
+    # the check can fail: one step fewer is a different model
+    ref_short, _ = P.unsplit_reference(P.PipelineConfig(steps=2, batch_size=32))
+    assert any((ref_short.state_dict()[k] - params["gpipe"][k]).abs().max() > 1e-4 for k in params["gpipe"])
+
+
+@pytest.mark.timeout(120)
+def test_indivisible_batch_hand_written_weights_by_share(runs, no_leftovers):
+    cfg = P.PipelineConfig(schedule="hand-gpipe", n_microbatches=3, batch_size=32, steps=3)
+    assert P.microbatch_sizes(32, 3) == [11, 11, 10]
+    run, res = _run(cfg, runs)
+    _assert_equals_unsplit(run, res, cfg)
+
+
+def test_indivisible_batch_library_refused_before_any_process(runs):
+    for schedule in ("gpipe", "1f1b"):
+        with pytest.raises(ValueError, match="batch_size=32 is not divisible by n_microbatches=3"):
+            launch(P.worker, P.PipelineConfig(schedule=schedule, n_microbatches=3, batch_size=32), 2, runs_dir=runs)
+    with pytest.raises(ValueError, match="1F1B needs n_microbatches ≥ stages: 1 < 2"):
+        launch(P.worker, P.PipelineConfig(schedule="1f1b", n_microbatches=1), 2, runs_dir=runs)
+    assert not list(runs.iterdir())
+
+
+def _expected_order(schedule: str, stage: int, p: int, m: int) -> list[tuple[str, int]]:
+    if schedule != "1f1b":
+        return [("forward", i) for i in range(m)] + [("backward", i) for i in range(m)]
+    warmup = min(p - stage, m)
+    order = [("forward", i) for i in range(warmup)]
+    f, b = warmup, 0
+    while b < m:
+        order.append(("backward", b))
+        b += 1
+        if f < m:
+            order.append(("forward", f))
+            f += 1
+    return order
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule", ["hand-gpipe", "gpipe", "1f1b"])
+def test_timeline_events_well_formed(schedule, runs, no_leftovers):
+    m, p = 4, 2
+    cfg = P.PipelineConfig(schedule=schedule, n_microbatches=m, batch_size=32, steps=2, save_params=False)
+    run, res = _run(cfg, runs)
+    recs = runlog.read_run(run.run_dir)
+    for step in (1, 2):
+        evs = P.events(recs, step)
+        for s in range(p):
+            mine = [e for e in evs if e["stage"] == s]
+            assert [(e["event"], e["microbatch"]) for e in mine] == _expected_order(schedule, s, p, m)
+            assert all(e["start"] <= e["end"] for e in mine)
+        by = {(e["event"], e["stage"], e["microbatch"]): e for e in evs}
+        for i in range(m):  # data dependencies hold in the real timestamps
+            assert by[("forward", 1, i)]["start"] >= by[("forward", 0, i)]["end"]
+            assert by[("backward", 0, i)]["start"] >= by[("backward", 1, i)]["end"] - 1e-3
+        assert 0 < P.bubble_measured(evs) < 1
+
+
+@pytest.mark.timeout(120)
+def test_1f1b_holds_fewer_activations_than_gpipe(runs, no_leftovers):
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        cfg = P.PipelineConfig(schedule=schedule, n_microbatches=8, batch_size=64, steps=1, save_params=False)
+        _, res = _run(cfg, runs)
+        peaks[schedule] = res.values[0]["peak_activation_bytes"]
+    # stage 0 (1024→512→256) saves each Linear's input per micro-batch until that micro-batch's
+    # backward; GPipe holds all 8 micro-batches at once, 1F1B at most p − s = 2
+    mb_bytes = (64 // 8) * (1024 + 512) * 4
+    assert peaks["gpipe"] == 8 * mb_bytes
+    assert peaks["1f1b"] == 2 * mb_bytes
+
+
+@pytest.mark.timeout(60)
+def test_failing_stage_is_reported(runs, no_leftovers):
+    cfg = P.PipelineConfig(schedule="1f1b", fail_stage=1, timeout_s=600)
+    with pytest.raises(WorkerFailed, match="injected failure in stage 1 at step 2") as info:
+        launch(P.worker, cfg, 2, runs_dir=runs).wait(timeout=40)
+    assert info.value.rank == 1
+
+
+@pytest.mark.timeout(60)
+def test_article_version_holds_whole_model_and_diverges(runs, no_leftovers):
+    run = launch(P.article_worker, P.ArticleConfig(steps=5), 2, runs_dir=runs)
+    res = run.wait(timeout=40)
+    whole = models.count_parameters(models.ArticleMLP())
+    assert res.values == {0: {"parameters": whole}, 1: {"parameters": whole}}
+    a, b = (torch.load(run.run_dir / f"rank{r}-model.pt", weights_only=True) for r in (0, 1))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) > 1e-5  # same start, no sync: apart
+
+
+def test_naive_split_equals_unsplit_and_runs_one_stage_at_a_time():
+    cfg = P.PipelineConfig(steps=3, batch_size=32)
+    model, evs = P.train_naive(cfg, [torch.device("cpu")] * 2)
+    ref, _ = P.unsplit_reference(cfg)
+    got = torch.nn.Sequential(*model.stages).state_dict()
+    want = torch.nn.Sequential(*ref.split(2)).state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k])
+    evs = sorted(evs, key=lambda e: e["start"])
+    assert [(e["stage"], e["event"]) for e in evs[:4]] == [(0, "forward"), (1, "forward"), (1, "backward"), (0, "backward")]
+    assert all(a["end"] <= b["start"] + 1e-4 for a, b in zip(evs, evs[1:]))  # never two at once

@@ -1,0 +1,100 @@
+"""Pipeline throughput and bubbles on 2 CPU ranks: naive split vs GPipe vs 1F1B, m ∈ {1, 2, 4, 8}.
+
+Benchmark for notebooks/04_model_parallel.ipynb. Follows
+https://pytorch.org/docs/stable/distributed.pipelining.html (ScheduleGPipe, Schedule1F1B).
+
+Each configuration is one launch of :func:`mgtutorial.pipeline.worker` (2 ranks = 2 stages, gloo, one
+thread per rank) on an MLP whose two stages cost the same (``--width`` wide, 2 layers per stage), so
+the measured bubble can be held against the ideal (p − 1)/(m + p − 1):
+
+* ``naive``: the model split over 2 ranks with no micro-batching (GPipe with m = 1): one stage works
+  at a time, whatever m says — the same number is reported for every m;
+* ``gpipe``: ``ScheduleGPipe`` with m micro-batches; ``1f1b``: ``Schedule1F1B`` (m ≥ 2).
+
+samples/s = batch size ÷ median step time (the first ``--warmup`` steps left out); bubble =
+1 − busy ÷ (stages × step span), from the forward/backward events each stage logs, median over
+steps. Run it, don't assert on it::
+
+    python benchmarks/pipeline.py --out benchmarks/pipeline.json
+
+It prints a table and writes JSON with keys ``naive``, ``gpipe``, ``1f1b`` (m → samples/s),
+``bubble_measured`` and ``bubble_formula`` (schedule → m → fraction), ``speedup_gpipe_m8_vs_naive``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from mgtutorial import launch, runlog
+from mgtutorial import pipeline as P
+
+MICROBATCHES = (1, 2, 4, 8)
+
+
+def measure(schedule: str, m: int, args, runs_dir: str) -> tuple[float, float]:
+    """(samples/s, median bubble fraction) of one run."""
+    cfg = P.PipelineConfig(schedule=schedule, n_microbatches=m, batch_size=args.batch_size,
+                           steps=args.warmup + args.steps, sizes=[args.width] * 5, save_params=False,
+                           backend="gloo")
+    run = launch(P.worker, cfg, 2, runs_dir=runs_dir, threads_per_rank=1)
+    try:
+        result = run.wait(timeout=600)
+    finally:
+        if run.status == "running":
+            run.stop()
+    times = result.values[0]["step_times_s"][args.warmup:]
+    records = runlog.read_run(run.run_dir)
+    bubbles = [P.bubble_measured(P.events(records, step)) for step in range(args.warmup + 1, cfg.steps + 1)]
+    return args.batch_size / statistics.median(times), statistics.median(bubbles)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--batch-size", type=int, default=512, help="samples per step (whole pipeline)")
+    parser.add_argument("--width", type=int, default=1024, help="layer width of the balanced MLP")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per configuration")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out at the start")
+    args = parser.parse_args()
+
+    out = {"naive": {}, "gpipe": {}, "1f1b": {}, "bubble_measured": {"gpipe": {}, "1f1b": {}},
+           "bubble_formula": {}, "settings": vars(args), "torch": torch.__version__}
+    started = time.time()
+    with tempfile.TemporaryDirectory() as runs_dir:
+        naive, naive_bubble = measure("gpipe", 1, args, runs_dir)
+        print(f"naive split (m=1): {naive:8.0f} samples/s, bubble {naive_bubble:.3f}", flush=True)
+        for m in MICROBATCHES:
+            out["naive"][m] = naive
+            out["bubble_formula"][m] = P.bubble_formula(2, m)
+            for schedule in ("gpipe", "1f1b"):
+                if schedule == "1f1b" and m < 2:
+                    continue
+                rate, bubble = measure(schedule, m, args, runs_dir)
+                out[schedule][m] = rate
+                out["bubble_measured"][schedule][m] = bubble
+                print(f"{schedule:>5} m={m}: {rate:8.0f} samples/s, bubble {bubble:.3f} "
+                      f"(formula {P.bubble_formula(2, m):.3f})", flush=True)
+    out["speedup_gpipe_m8_vs_naive"] = out["gpipe"][8] / naive
+    out["bubble_max_abs_error_gpipe"] = max(abs(out["bubble_measured"]["gpipe"][m] - out["bubble_formula"][m])
+                                            for m in MICROBATCHES)
+    out["wall_s"] = time.time() - started
+
+    print(f"\n{'m':>3} {'naive':>9} {'gpipe':>9} {'1f1b':>9} {'bubble gpipe':>13} {'formula':>8}")
+    for m in MICROBATCHES:
+        f1 = f"{out['1f1b'][m]:9.0f}" if m in out["1f1b"] else f"{'—':>9}"
+        print(f"{m:>3} {out['naive'][m]:9.0f} {out['gpipe'][m]:9.0f} {f1} "
+              f"{out['bubble_measured']['gpipe'][m]:13.3f} {out['bubble_formula'][m]:8.3f}")
+    print(f"GPipe m=8 vs naive: {out['speedup_gpipe_m8_vs_naive']:.2f}× (ideal 1.78×); "
+          f"largest bubble error {out['bubble_max_abs_error_gpipe']:.3f}; {out['wall_s']:.0f} s")
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

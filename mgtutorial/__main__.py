@@ -38,7 +38,12 @@ def _ddp_parser(sub) -> None:
     p.add_argument("--no-evaluate", action="store_true", help="skip the test-set accuracy at each epoch end")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", default=None, help="checkpoint file (saved by rank 0 each epoch)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also snapshot every N steps (0: epoch ends only)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
+    p.add_argument("--fail-rank", type=int, default=-1, help="fault injection: this rank fails (first attempt only)")
+    p.add_argument("--fail-step", type=int, default=-1, help="… at this step")
+    p.add_argument("--fail-how", default="raise", choices=["raise", "sigkill"])
     _common_args(p)
 
 
@@ -54,7 +59,9 @@ def _config(args) -> ddp.DDPConfig:
     return ddp.DDPConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, dataset=args.dataset,
                          data_root=args.data_root, download=args.download, max_steps=args.max_steps,
                          backend=args.backend, seed=args.seed, checkpoint=args.checkpoint,
-                         resume=args.resume, evaluate=not args.no_evaluate)
+                         resume=args.resume, evaluate=not args.no_evaluate,
+                         checkpoint_every=args.checkpoint_every, timeout_s=args.timeout,
+                         fail_rank=args.fail_rank, fail_step=args.fail_step, fail_how=args.fail_how)
 
 
 def _run_under_torchrun(args, worker, cfg, name: str):
@@ -68,8 +75,8 @@ def _run_under_torchrun(args, worker, cfg, name: str):
             {"worker": f"{worker.__module__}:{worker.__qualname__}", "nprocs": env.world_size(),
              "backend": cfg.backend, "config": dataclasses.asdict(cfg)}, indent=2))
     summary = worker(cfg)
-    if env.rank() == 0:
-        records = runlog.read_run(run_dir)
+    records = runlog.read_run(run_dir) if env.rank() == 0 else []
+    if any(r.get("kind") == "train" for r in records):
         (run_dir / "loss.png").write_bytes(live.figure_png(live.loss_figure(records, run_dir.name)))
     return run_dir, summary
 
@@ -88,11 +95,12 @@ def _run(args, worker, cfg, name: str, report) -> int:
         if env.is_distributed_env():
             run_dir, summary = _run_under_torchrun(args, worker, cfg, name)
             if env.rank() == 0:
-                print(f"[rank 0] done: {report(summary)}; logs and loss.png in {run_dir}", flush=True)
+                print(f"[rank 0] done: {report(summary)}; logs in {run_dir}", flush=True)
         else:
             run_dir, summary, result = _launch_locally(args, worker, cfg, name)
             print(f"done in {result.duration_s:.1f} s: {report(summary)}")
-            print(f"loss curve: {run_dir / 'loss.png'}")
+            if (run_dir / "loss.png").exists():
+                print(f"loss curve: {run_dir / 'loss.png'}")
     except (WorkerFailed, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -102,6 +110,11 @@ def _run(args, worker, cfg, name: str, report) -> int:
 def _ddp_report(summary: dict) -> str:
     acc = summary.get("test_acc")
     return f"{summary['steps']} steps per rank" + (f", final test accuracy {acc:.1%}" if acc is not None else "")
+
+
+def _hello_report(summary: dict) -> str:
+    return (f"rank {summary['rank']} of {summary['world_size']} (node {summary['group_rank']}, local rank "
+            f"{summary['local_rank']}, {summary['device']}); sum of ranks {summary['rank_sum']}")
 
 
 def _pipeline_report(summary: dict) -> str:
@@ -132,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("data", help="fetch a dataset")
     p.add_argument("name", choices=["cifar10", "digits"])
     p.add_argument("--root", default=None, help="target folder (default $MGTUTORIAL_DATA or ~/.cache/mgtutorial/data)")
+    p = sub.add_parser("hello", help="each rank reports who it is and all-reduces its rank (chapters 00, 05)")
+    _common_args(p)
     sub.add_parser("describe", help="hardware and the choices the course makes on it")
     args = parser.parse_args(argv)
     if args.command == "ddp":
@@ -140,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = pipeline.PipelineConfig(schedule=args.schedule, n_microbatches=args.microbatches,
                                       batch_size=args.batch_size, steps=args.steps, backend=args.backend)
         return _run(args, pipeline.worker, cfg, "pipeline", _pipeline_report)
+    if args.command == "hello":
+        return _run(args, env.hello, env.HelloConfig(backend=args.backend), "hello", _hello_report)
     if args.command == "data":
         return _run_data(args)
     for key, value in env.describe().items():

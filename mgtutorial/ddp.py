@@ -18,6 +18,7 @@ Two nodes (run on each, NODE_RANK = 0 and 1, HEAD = the first node's address)::
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,15 +59,20 @@ class DDPConfig:
     timeout_s: float = 120.0
     """Collective timeout in seconds: a rank waiting longer for its peers raises."""
     checkpoint: str | None = None
-    """File to save model + optimizer + epoch to (rank 0) after each epoch; None: no checkpoints."""
+    """File to save model + optimizer + progress to (rank 0) after each epoch; None: no checkpoints."""
+    checkpoint_every: int = 0
+    """Also save a snapshot every this many steps, mid-epoch (0: only at epoch ends) — chapter 05."""
     resume: bool = False
-    """Load ``checkpoint`` if it exists and continue from the first epoch it had not completed."""
+    """Load ``checkpoint`` if it exists and continue exactly where it was taken (mid-epoch too)."""
     evaluate: bool = True
     """Measure test-set accuracy at the end of each epoch."""
     fail_rank: int = -1
-    """Fault injection for the lessons and tests: this rank raises …"""
+    """Fault injection for the lessons and tests: this rank fails …"""
     fail_step: int = -1
-    """… when it reaches this step (−1: never)."""
+    """… when it reaches this step (−1: never) …"""
+    fail_how: str = "raise"
+    """… by raising ("raise") or by SIGKILL-ing itself ("sigkill"); only on a job's first attempt
+    (``TORCHELASTIC_RESTART_COUNT`` 0), so an elastic restart gets past it."""
 
 
 def log_step(log: runlog.RunLog, ctx: env.DistContext, *, step: int, epoch: int, loss: float,
@@ -79,17 +85,20 @@ def log_step(log: runlog.RunLog, ctx: env.DistContext, *, step: int, epoch: int,
                      global_loss=env.global_mean(loss, ctx), samples=samples)
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, epoch: int, step: int) -> None:
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, epoch: int, step: int,
+                    batch: int = 0) -> None:
     """Write the *unwrapped* model's state_dict, the optimizer's, and progress, atomically.
 
-    ``epoch`` is the number of completed epochs. Saved to ``path.tmp`` then renamed, so a crash
-    never leaves half a file. Call on rank 0 only, then ``barrier`` on every rank.
+    ``epoch`` is the number of completed epochs, ``step`` the global step, ``batch`` the batches
+    already done in epoch ``epoch`` (a mid-epoch snapshot; 0 at an epoch end). Saved to
+    ``path.tmp`` then renamed, so a crash never leaves half a file. Call on rank 0 only, then
+    ``barrier`` on every rank.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     module = model.module if isinstance(model, DDP) else model
     state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
-             "epoch": epoch, "step": step}
+             "epoch": epoch, "step": step, "batch": batch}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -149,15 +158,31 @@ class Trainer:
         self.test_set = test_set
         self.loss_fn = nn.CrossEntropyLoss()
         self.log = runlog.RunLog()
-        self.first_epoch, self.step, self.samples = 0, 0, 0
+        self.first_epoch, self.step, self.samples, self.skip = 0, 0, 0, 0
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if cfg.resume and cfg.checkpoint and Path(cfg.checkpoint).exists():
             state = load_checkpoint(cfg.checkpoint, model, optimizer, ctx.device)
-            self.first_epoch, self.step = state["epoch"], state["step"]
-            ctx.print(f"resumed from {cfg.checkpoint}: {self.first_epoch} epoch(s), step {self.step}")
+            self.first_epoch, self.step, self.skip = state["epoch"], state["step"], state.get("batch", 0)
+            self.log.write(kind="resume", step=self.step, epoch=self.first_epoch, batch=self.skip,
+                           attempt=self.attempt)
+            ctx.print(f"resumed from {cfg.checkpoint}: {self.first_epoch} epoch(s) + {self.skip} batch(es), "
+                      f"step {self.step}")
+
+    def _inject_failure(self) -> None:
+        if self.ctx.rank == self.cfg.fail_rank and self.step == self.cfg.fail_step and self.attempt == 0:
+            if self.cfg.fail_how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected failure on rank {self.ctx.rank} at step {self.step}")
+
+    def _save(self, epoch: int, batch: int) -> None:
+        if self.ctx.is_main:
+            save_checkpoint(self.cfg.checkpoint, self.model, self.optimizer, epoch, self.step, batch)
+            self.log.write(kind="checkpoint", step=self.step, epoch=epoch, batch=batch, path=str(self.cfg.checkpoint))
+        if self.ctx.initialized:
+            torch.distributed.barrier()  # nobody reads the file before it is complete
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        if self.ctx.rank == self.cfg.fail_rank and self.step == self.cfg.fail_step:
-            raise RuntimeError(f"injected failure on rank {self.ctx.rank} at step {self.step}")
+        self._inject_failure()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(x), y)
         loss.backward()  # DDP all-reduces (averages) the gradients here
@@ -171,7 +196,9 @@ class Trainer:
         self.loader.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
         self.model.train()
         total = 0.0
-        for x, y in self.loader:
+        for batch, (x, y) in enumerate(self.loader):
+            if batch < self.skip:  # resuming mid-epoch: these were trained before the snapshot
+                continue
             if self._done():
                 break
             x, y = x.to(self.ctx.device), y.to(self.ctx.device)
@@ -180,6 +207,10 @@ class Trainer:
             self.samples += len(y)
             total = log_step(self.log, self.ctx, step=self.step, epoch=epoch, loss=loss,
                              samples=self.samples)["global_loss"]
+            every = self.cfg.checkpoint_every
+            if self.cfg.checkpoint and every and self.step % every == 0 and batch + 1 < len(self.loader):
+                self._save(epoch, batch + 1)
+        self.skip = 0
         return total
 
     @torch.no_grad()
@@ -216,11 +247,7 @@ class Trainer:
             self.ctx.print(f"epoch {epoch + 1}/{self.cfg.epochs}: step {self.step}, global loss "
                            f"{loss:.4f}" + (f", test accuracy {acc:.1%}" if acc is not None else ""))
             if self.cfg.checkpoint:
-                if self.ctx.is_main:
-                    save_checkpoint(self.cfg.checkpoint, self.model, self.optimizer, epoch + 1, self.step)
-                    self.log.write(kind="checkpoint", step=self.step, epoch=epoch, path=str(self.cfg.checkpoint))
-                if self.ctx.initialized:
-                    torch.distributed.barrier()  # nobody reads the file before it is complete
+                self._save(epoch + 1, 0)
             if self._done():
                 break
         elapsed = time.time() - start

@@ -177,11 +177,23 @@ def distributed(backend: str = "auto", timeout_s: float = 120.0, num_threads: in
         return
     name = resolve_backend(backend)
     device = device_for(name)
+    # torch reads TORCH_DISTRIBUTED_DEBUG when it is imported, which in a spawned rank is before
+    # the launcher's variables are in place: read it again now
+    dist.set_debug_level_from_env()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # torch's env:// rendezvous gives the store; under torchrun that is the agent's store, which
+    # outlives a restart: without a per-attempt prefix, restarted ranks read the dead ranks'
+    # addresses and fail to connect. TORCHELASTIC_RESTART_COUNT separates the attempts.
+    store, rank_, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"attempt_{_int_env('TORCHELASTIC_RESTART_COUNT', 0)}", store)
     dist.init_process_group(
         backend=name,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        store=store,
+        rank=rank_,
+        world_size=world,
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
     ctx = DistContext(dist.get_rank(), local_rank(), dist.get_world_size(), name, device, True)
@@ -241,6 +253,16 @@ def default_nprocs() -> int:
     return gpu_count() if gpu_count() >= 2 else 2
 
 
+VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE",
+             "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+             "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG")
+
+
+def variables() -> dict[str, str | None]:
+    """The environment variables that shape a distributed run, as this process sees them (None: unset)."""
+    return {name: os.environ.get(name) for name in VARIABLES}
+
+
 @dataclass(kw_only=True)
 class HelloConfig:
     """Configuration of :func:`hello` (chapter 00's first multi-rank program)."""
@@ -252,8 +274,8 @@ class HelloConfig:
 def hello(cfg: HelloConfig) -> dict:
     """Each rank reports who it is and all-reduces its rank: the sum is 0 + 1 + … + (world size − 1).
 
-    Logs one ``kind="hello"`` record and returns it (rank, local_rank, world_size, backend, device,
-    pid, rank_sum).
+    Logs one ``kind="hello"`` record and returns it (rank, local_rank, group_rank (node), world_size,
+    backend, device, host, pid, rank_sum, env = :func:`variables`).
     """
     with distributed(cfg.backend) as ctx:
         t = torch.tensor([float(ctx.rank)], device=ctx.device)
@@ -261,7 +283,8 @@ def hello(cfg: HelloConfig) -> dict:
             dist.all_reduce(t)
         with runlog.RunLog() as log:
             rec = log.write(kind="hello", local_rank=ctx.local_rank, world_size=ctx.world_size,
-                            backend=ctx.backend, device=str(ctx.device), pid=os.getpid(),
-                            rank_sum=int(t.item()))
+                            group_rank=_int_env("GROUP_RANK", 0), backend=ctx.backend, device=str(ctx.device),
+                            host=platform.node(), pid=os.getpid(), rank_sum=int(t.item()),
+                            env=variables())
         print(f"[rank {ctx.rank}] hello from pid {os.getpid()} on {ctx.device}", flush=True)
         return rec

@@ -202,6 +202,7 @@ def _check_port(port: int, host: str = "127.0.0.1") -> None:
 
 
 def _loopback_ifname() -> str:
+    """Name of the network interface that holds 127.0.0.1 ("lo" on Linux, "lo0" on macOS)."""
     for name, addrs in psutil.net_if_addrs().items():
         if any(getattr(a, "address", None) == "127.0.0.1" for a in addrs):
             return name

@@ -50,7 +50,7 @@ def loss_figure(records: list[dict], title: str | None = None) -> Figure:
                  label="test accuracy")
         ax2.set_ylabel("test accuracy (%)", color="tab:green")
         ax2.set_ylim(0, 100)
-    ax.legend(loc="upper right", fontsize="small")
+    ax.legend(loc="center right", fontsize="small")  # the accuracy markers sit near the top
     ax.set_title(title or "training loss")
     return fig
 
@@ -128,7 +128,7 @@ class LivePlot:
 
         status, out = widgets.HTML("starting ranks…"), widgets.Output()
         box = widgets.VBox([status, out])
-        display(box)
+        handle = display(box, display_id=True)  # replaced in place by the final figure below
         last, done, error = 0.0, False, None
         try:
             while not done:
@@ -151,13 +151,16 @@ class LivePlot:
             self.run.stop()
             raise
         finally:
-            box.close()
+            for widget in (status, out, box):
+                widget.close()
             if self.reader.records:
                 fig = loss_figure(self.reader.records, self.title)
                 png = figure_png(fig)
                 (Path(self.run.run_dir) / "loss.png").write_bytes(png)
-                display(Image(png))
+                handle.update(Image(png))  # the saved notebook keeps a plain PNG, not a dead widget
                 print(_status(self.run, progress(self.reader.records)))
+            else:
+                handle.update({"text/plain": "(no training records were logged)"}, raw=True)
         if error is not None:
             raise error
         return self.run.poll()
@@ -188,7 +191,7 @@ def follow_terminal(run, png: bool = True):
         raise
     finally:
         bar.close()
-        if png and reader.records:
+        if png and any(r.get("kind") == "train" for r in reader.records):
             (Path(run.run_dir) / "loss.png").write_bytes(figure_png(loss_figure(reader.records, run.run_dir.name)))
 
 

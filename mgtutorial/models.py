@@ -57,7 +57,8 @@ class ArticleCNN(nn.Module):
         if x.shape[1] != self.flatten_size:
             raise ValueError(
                 f"the conv stack produced {x.shape[1]} features per image but fc1 expects "
-                f"{self.flatten_size}; build the model with in_shape={tuple(x.shape)} inputs' shape."
+                f"{self.flatten_size}; build the model with in_shape set to your images' (C, H, W) "
+                "and let it compute the flatten size (cnn_flatten_size)."
             )
         return self.fc2(torch.relu(self.fc1(x)))
 

@@ -47,7 +47,7 @@ def test_checkpoint_written_once_loads_strict_and_resume_continues(runs, no_left
     run1 = launch(ddp.worker, ddp.DDPConfig(epochs=1, checkpoint=str(ckpt), **common), 2, runs_dir=runs)
     r1 = run1.wait(timeout=60)
     saves = [r for r in runlog.read_run(run1.run_dir) if r.get("kind") == "checkpoint"]
-    assert [(s["rank"], s["epoch"]) for s in saves] == [(0, 0)]  # rank 0 only, once per epoch
+    assert [(s["rank"], s["epoch"]) for s in saves] == [(0, 1)]  # rank 0 only, once per epoch
     state = torch.load(ckpt, weights_only=True, map_location="cpu")
     assert not [k for k in state["model"] if k.startswith("module.")]
     assert state["epoch"] == 1 and state["step"] == r1.values[0]["steps"]

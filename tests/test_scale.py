@@ -1,0 +1,122 @@
+"""Chapter 05: torchrun on simulated nodes, elastic restart from snapshots, hangs, SLURM script."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mgtutorial import launch, runlog, scale
+from mgtutorial.launch import WorkerFailed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_torchrun_command_forms():
+    one = scale.torchrun_command(["ddp"], nproc_per_node=2)
+    assert one[1:] == ["--nproc-per-node", "2", "--standalone", "-m", "mgtutorial", "ddp"]
+    dyn = scale.torchrun_command(["ddp"], nproc_per_node=4, nnodes=2, rdzv_endpoint="head:29500", run_id="j1")
+    assert "--node-rank" not in dyn and dyn[dyn.index("--rdzv-endpoint") + 1] == "head:29500"
+    static = scale.torchrun_command(["ddp"], nnodes=2, node_rank=1, rdzv_endpoint="head:29500", max_restarts=3)
+    assert static[static.index("--node-rank") + 1] == "1" and static[static.index("--master-addr") + 1] == "head"
+    assert static[static.index("--max-restarts") + 1] == "3"
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        scale.torchrun_command(["ddp"], nnodes=2)
+    with pytest.raises(ValueError, match="node_rank=2"):
+        scale.torchrun_command(["ddp"], nnodes=2, node_rank=2, rdzv_endpoint="h:1")
+
+
+@pytest.mark.timeout(120)
+def test_two_simulated_nodes_give_distinct_ranks(tmp_path, no_leftovers):
+    with scale.simulated_nodes(["hello", "--runs-dir", str(tmp_path), "--run-name", "two"], nnodes=2,
+                               nproc_per_node=1, log_dir=tmp_path / "agents") as agents:
+        assert agents.wait(100) == [0, 0], agents.output(0)[-2000:]
+    rows = scale.rank_table(runlog.read_run(tmp_path / "two"))
+    assert [r["RANK"] for r in rows] == [0, 1]
+    assert [r["LOCAL_RANK"] for r in rows] == [0, 0]  # one process per node: local rank 0 on both
+    assert sorted(r["GROUP_RANK"] for r in rows) == [0, 1] and {r["WORLD_SIZE"] for r in rows} == {2}
+
+
+@pytest.mark.timeout(240)
+def test_killed_rank_restarts_from_snapshot_and_matches_uninterrupted(tmp_path, no_leftovers):
+    base = ["ddp", "--dataset", "digits", "--epochs", "2", "--no-evaluate", "--checkpoint-every", "5",
+            "--resume", "--runs-dir", str(tmp_path)]
+    code, out = scale.run_torchrun(base + ["--checkpoint", str(tmp_path / "a.pt"), "--run-name", "a",
+                                           "--fail-rank", "1", "--fail-step", "32", "--fail-how", "sigkill"],
+                                   max_restarts=1, log_dir=tmp_path / "ag", timeout=200)
+    assert code == 0, out[-3000:]
+    recs = runlog.read_run(tmp_path / "a")
+    resumes = [r for r in recs if r.get("kind") == "resume"]
+    assert {(r["rank"], r["attempt"], r["step"]) for r in resumes} == {(0, 1, 30), (1, 1, 30)}
+    code, out = scale.run_torchrun(base + ["--checkpoint", str(tmp_path / "b.pt"), "--run-name", "b"],
+                                   log_dir=tmp_path / "bg", timeout=200)
+    assert code == 0, out[-3000:]
+    a, b = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in "ab")
+    assert a["step"] == b["step"] and a["epoch"] == b["epoch"] == 2
+    for k in b["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k])
+    for k in ("model", "optimizer", "epoch", "step"):
+        assert k in a  # what a snapshot holds
+
+
+@pytest.mark.timeout(60)
+def test_skipped_collective_times_out_naming_it(runs, no_leftovers):
+    timeout_s = 3
+    run = launch(scale.hang_worker, scale.HangConfig(timeout_s=timeout_s, rank_work_s=60), 2, runs_dir=runs)
+    with pytest.raises(WorkerFailed, match=r"all_reduce of step 2 on rank 0 failed after") as info:
+        run.wait(timeout=45)
+    assert info.value.rank == 0
+    start = [r for r in runlog.read_run(run.run_dir) if r.get("kind") == "collective_start" and r["rank"] == 0][-1]
+    failed = runlog.read_json(run.run_dir / "rank0.error.json")["time"]
+    assert timeout_s - 0.5 < failed - start["time"] < timeout_s + 3
+
+
+@pytest.mark.timeout(60)
+def test_debug_detail_names_the_mismatch(runs, no_leftovers):
+    run = launch(scale.hang_worker, scale.HangConfig(timeout_s=30, rank_work_s=60), 2, runs_dir=runs,
+                 extra_env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed, match="Detected mismatch between collectives"):
+        run.wait(timeout=45)
+    assert time.monotonic() - t0 < 25  # found at once, not after the 30 s timeout
+
+
+@pytest.mark.timeout(60)
+def test_py_spy_shows_where_a_hung_rank_waits(runs, no_leftovers):
+    run = launch(scale.hang_worker, scale.HangConfig(timeout_s=60, rank_work_s=60), 2, runs_dir=runs)
+    try:
+        deadline = time.monotonic() + 40
+        while not (starts := [r for r in runlog.read_run(run.run_dir)
+                              if r.get("kind") == "collective_start" and r["rank"] == 0 and r["step"] == 2]):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(0.5)
+        dump = scale.py_spy_dump(starts[0]["pid"])
+    finally:
+        run.stop()
+    assert "all_reduce" in dump and "hang_worker" in dump, dump
+
+
+def test_sbatch_builds_srun_torchrun_command(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, body in {"srun": 'echo "srun $*"', "scontrol": 'printf "gpu-a17\\ngpu-a18\\n"'}.items():
+        (fake / name).write_text(f"#!/bin/sh\n{body}\n")
+        (fake / name).chmod(stat.S_IRWXU)
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", SLURM_NNODES="2", SLURM_JOB_ID="4242",
+               SLURM_JOB_NODELIST="gpu-a[17-18]", SLURM_GPUS_ON_NODE="4", SLURM_CPUS_PER_TASK="16")
+    env.pop("OMP_NUM_THREADS", None)
+    out = subprocess.run(["bash", str(ROOT / "scripts/slurm/ddp.sbatch"), "--epochs", "3"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["srun", "--kill-on-bad-exit=1", "torchrun", "--nnodes", "2", "--nproc-per-node", "4",
+                                  "--rdzv-id", "4242", "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu-a17:29500",
+                                  "-m", "mgtutorial", "ddp", "--epochs", "3"]
+    bad = subprocess.run(["bash", str(ROOT / "scripts/slurm/ddp.sbatch")], env={"PATH": env["PATH"]},
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode != 0 and "run this under sbatch" in bad.stderr

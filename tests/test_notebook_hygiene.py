@@ -1,0 +1,237 @@
+"""Hygiene of the committed notebooks: executed top to bottom, with outputs, errors only where
+intended, short cells, a Summary and Exercises, the final live-plot figure saved, no machine paths.
+
+Each check is a function returning a list of problems; the tests run them on every notebook in
+notebooks/ and, to show that they can fail, on a notebook built with each fault. The check that
+no rank process survives the session lives in the repository's conftest.py and is tested here too.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+CHAPTERS = ("00_setup", "01_single_device", "02_ddp")
+WITH_LIVE_PLOT = ("01_single_device", "02_ddp")
+MAX_LINES = 30
+CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def code_cells(nb):
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+def tags(cell) -> list[str]:
+    return list(cell.get("metadata", {}).get("tags", []))
+
+
+def output_text(output) -> str:
+    """Everything readable in one output: stream text, text/* data, error name, message, traceback."""
+    if output.output_type == "stream":
+        return output.text
+    if output.output_type == "error":
+        return "\n".join([output.ename, output.evalue, *output.traceback])
+    return "\n".join(v for k, v in output.get("data", {}).items() if k.startswith("text/"))
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+def check_kernel(nb) -> list[str]:
+    name = nb.metadata.get("kernelspec", {}).get("name")
+    return [] if name == "python3" else [f"kernelspec name is {name!r}, not 'python3'"]
+
+
+def check_executed(nb) -> list[str]:
+    """Every code cell ran, the outputs were kept, and every cell that watches a run shows it."""
+    problems = []
+    for i, cell in enumerate(code_cells(nb)):
+        if cell.execution_count is None:
+            problems.append(f"code cell {i} was not executed")
+        if "watch(" in cell.source and not cell.outputs:
+            problems.append(f"code cell {i} watches a training run but has no output")
+    if code_cells(nb) and not any(cell.outputs for cell in code_cells(nb)):
+        problems.append("no code cell has any output (committed without outputs?)")
+    return problems
+
+
+def check_execution_order(nb) -> list[str]:
+    counts = [c.execution_count for c in code_cells(nb)]
+    if counts != list(range(1, len(counts) + 1)):
+        return [f"execution counts {counts} are not 1…{len(counts)} in order (run top to bottom in a fresh kernel)"]
+    return []
+
+
+def check_errors(nb) -> list[str]:
+    """Error outputs only in cells tagged raises-exception, and every such cell does raise."""
+    problems = []
+    for i, cell in enumerate(code_cells(nb)):
+        has_error = any(o.output_type == "error" for o in cell.outputs)
+        tagged = "raises-exception" in tags(cell)
+        if has_error and not tagged:
+            problems.append(f"code cell {i} has an error output but no 'raises-exception' tag")
+        if tagged and not has_error:
+            problems.append(f"code cell {i} is tagged 'raises-exception' but raised nothing")
+    return problems
+
+
+def check_cell_length(nb) -> list[str]:
+    return [f"code cell {i} has {n} lines (at most {MAX_LINES})"
+            for i, cell in enumerate(code_cells(nb))
+            if (n := len(cell.source.splitlines())) > MAX_LINES]
+
+
+def check_summary_exercises(nb) -> list[str]:
+    headings = [line.strip("# ").strip() for c in nb.cells if c.cell_type == "markdown"
+                for line in c.source.splitlines() if line.startswith("#")]
+    return [f"no '## {h}' heading" for h in ("Summary", "Exercises") if h not in headings]
+
+
+def check_live_plot_figure(nb) -> list[str]:
+    """Each cell that calls watch() ends with a real PNG and no leftover live widget."""
+    problems = []
+    for i, cell in enumerate(code_cells(nb)):
+        if "watch(" not in cell.source:
+            continue
+        pngs = [o.data["image/png"] for o in cell.outputs if "image/png" in o.get("data", {})]
+        if not pngs or not base64.b64decode(pngs[-1]).startswith(PNG_MAGIC):
+            problems.append(f"code cell {i} calls watch() but has no final PNG figure")
+        if any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in cell.outputs):
+            problems.append(f"code cell {i} still holds the live widget instead of the final figure")
+    return problems
+
+
+def check_no_machine_paths(nb) -> list[str]:
+    """No output shows where the repository or the home directory is on the executing machine."""
+    needles = {str(ROOT), str(Path.home())} - {"/"}
+    return [f"code cell {i} output contains {needle!r}"
+            for i, cell in enumerate(code_cells(nb)) for o in cell.outputs
+            for needle in needles if needle in output_text(o)]
+
+
+_VOLATILE = re.compile(r"\d{8}-\d{6}|\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}|\bpid \d+"
+                       r"|(?<![\w.])/(home|root|work|tmp|Users)/")
+
+
+def check_checked_cells_stable(nb) -> list[str]:
+    """Cells whose output nbval compares show no run-directory stamps, dates, pids or absolute paths."""
+    return [f"checked code cell {i} shows something that varies between runs: {m.group(0)!r}"
+            for i, cell in enumerate(code_cells(nb)) if CHECK_MARK in cell.source
+            for o in cell.outputs if (m := _VOLATILE.search(output_text(o)))]
+
+
+CHECKS = [check_kernel, check_executed, check_execution_order, check_errors, check_cell_length,
+          check_summary_exercises, check_live_plot_figure, check_no_machine_paths,
+          check_checked_cells_stable]
+
+
+# --- tests on the committed notebooks ----------------------------------------------------------
+
+def test_chapters_present():
+    names = {p.stem for p in NOTEBOOKS}
+    assert set(CHAPTERS) <= names, f"missing notebooks: {sorted(set(CHAPTERS) - names)}"
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook(path, check):
+    nb = nbformat.read(path, as_version=4)
+    problems = check(nb)
+    assert not problems, f"{path.name}:\n  " + "\n  ".join(problems)
+
+
+@pytest.mark.parametrize("name", WITH_LIVE_PLOT)
+def test_live_plot_figure_committed(name):
+    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    watching = [c for c in code_cells(nb) if "watch(" in c.source]
+    assert watching, f"{name} has no cell that calls watch()"
+    assert not check_live_plot_figure(nb)
+
+
+# --- the checks can fail ------------------------------------------------------------------------
+
+def _bad_notebook():
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python2"}
+    png = base64.b64encode(PNG_MAGIC + b"rest").decode()
+    widget = {"application/vnd.jupyter.widget-view+json": {"model_id": "x"}, "text/plain": "VBox()"}
+    cells = [
+        nbformat.v4.new_code_cell("result = watch(launch(worker, cfg, 2))", execution_count=2),
+        nbformat.v4.new_code_cell("result = watch(run)", execution_count=1, outputs=[
+            nbformat.v4.new_output("display_data", data=widget)]),
+        nbformat.v4.new_code_cell("1 / 0", execution_count=None, outputs=[
+            nbformat.v4.new_output("error", ename="ZeroDivisionError", evalue="division by zero",
+                                   traceback=[])]),
+        nbformat.v4.new_code_cell("\n".join(["x = 1"] * (MAX_LINES + 1)), execution_count=4),
+        nbformat.v4.new_code_cell("pass", execution_count=5),
+        nbformat.v4.new_code_cell(f"{CHECK_MARK}\nprint(run)", execution_count=6, outputs=[
+            nbformat.v4.new_output("stream", name="stdout",
+                                   text=f"{ROOT}/notebooks/runs/ddp-20260101-120000-ab12 pid 7\n")]),
+        nbformat.v4.new_code_cell("watch(run)", execution_count=7, outputs=[
+            nbformat.v4.new_output("display_data", data={"image/png": png})]),
+        nbformat.v4.new_markdown_cell("## Summary\nno exercises heading"),
+    ]
+    cells[4].metadata["tags"] = ["raises-exception"]
+    nb.cells = cells
+    return nb
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__)
+def test_check_catches_fault(check):
+    assert check(_bad_notebook()), f"{check.__name__} found nothing wrong in a faulty notebook"
+
+
+def test_clean_notebook_passes():
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3"}
+    png = base64.b64encode(PNG_MAGIC + b"rest").decode()
+    nb.cells = [
+        nbformat.v4.new_code_cell("result = watch(run)", execution_count=1, outputs=[
+            nbformat.v4.new_output("display_data", data={"image/png": png})]),
+        nbformat.v4.new_markdown_cell("## Summary\n\n## Exercises"),
+    ]
+    assert all(not check(nb) for check in CHECKS)
+
+
+# --- the leftover-process check in conftest.py --------------------------------------------------
+
+def _root_conftest():
+    spec = importlib.util.spec_from_file_location("_root_conftest", ROOT / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("cmdline, is_rank", [
+    (["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=6)"], True),
+    (["/venv/bin/python", "/venv/bin/torchrun", "--standalone", "-m", "mgtutorial", "ddp"], True),
+    (["python", "-u", "-m", "mgtutorial", "ddp", "--epochs", "1"], True),
+    (["python", "-c", "from multiprocessing.resource_tracker import main;main(5)"], False),
+    (["/home/me/mgtutorial/.venv/bin/python", "-m", "ipykernel_launcher", "-f", "k.json"], False),
+])
+def test_rank_cmdline(cmdline, is_rank):
+    assert _root_conftest().is_rank_cmdline(cmdline) is is_rank
+
+
+def test_leftover_rank_is_found():
+    conftest = _root_conftest()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "mgtutorial-fake-rank"])
+    child = psutil.Process(proc.pid)
+    try:
+        assert child in conftest.rank_descendants(), \
+            "a live child with 'mgtutorial' in its arguments was not recognised as a rank"
+        assert conftest.survivors([child], grace_s=0.5) == [child]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert conftest.survivors([child], grace_s=0.5) == []

@@ -134,13 +134,53 @@ def unsplit_reference(cfg: PipelineConfig) -> tuple[nn.Module, list[float]]:
     return model, losses
 
 
+class ActivationMeter:
+    """Counts the bytes of activations autograd saves for backward (parameters excluded).
+
+    ``with meter.saving(): ...`` installs saved-tensor hooks: ``live_bytes`` rises at each save and
+    falls when backward (or the graph's end) frees it; ``peak_bytes`` is the maximum since
+    :meth:`reset_peak`. Measured, not assumed: this is how chapter 04 compares GPipe with 1F1B and
+    chapter 06 shows what ``retain_graph=True`` keeps alive.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.live_bytes = self.peak_bytes = 0
+        self._params = {p.data_ptr() for p in module.parameters()}
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def saving(self):
+        def pack(t):
+            holder = _Saved(t)
+            if t.data_ptr() not in self._params:
+                n = t.numel() * t.element_size()
+                self.live_bytes += n
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+                weakref.finalize(holder, self._release, n)
+            return holder
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t)
+
+    def _release(self, n: int) -> None:
+        self.live_bytes -= n
+
+
+class _Saved:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t.detach()  # no grad_fn: holding it must not keep the graph alive by itself
+
+
 class Timeline:
     """Logs a forward and a backward event per micro-batch of one stage, from module hooks.
 
     Events: ``kind="event"``, ``event`` ("forward"|"backward"), ``start``, ``end`` (unix s),
     ``stage``, ``microbatch``, ``step``. Works for hand-written and library schedules alike: forward
     from forward pre/post hooks; backward from the full-backward pre-hook (its start) and a
-    multi-grad hook over the stage's parameters (its end). Also tracks the bytes of activations saved for backward (see :meth:`saving`).
+    multi-grad hook over the stage's parameters (its end). ``memory`` is the stage's
+    :class:`ActivationMeter`; events carry its ``live_activation_bytes``.
     """
 
     def __init__(self, module: nn.Module, stage: int, log: runlog.RunLog):
@@ -148,15 +188,15 @@ class Timeline:
         self.ignore_forwards = 0  # forward passes to leave out (shape inference), see worker()
         self.fwd = self.bwd = 0
         self._t0 = self._b0 = 0.0
-        self.live_bytes = self.peak_bytes = 0
-        self._params = {p.data_ptr() for p in module.parameters()}
+        self.memory = ActivationMeter(module)
         module.register_forward_pre_hook(self._fwd_start)
         module.register_forward_hook(self._fwd_end)
         module.register_full_backward_pre_hook(self._bwd_start)
         torch.autograd.graph.register_multi_grad_hook(list(module.parameters()), self._bwd_end)
 
     def new_step(self, step: int) -> None:
-        self.step, self.fwd, self.bwd, self.peak_bytes = step, 0, 0, self.live_bytes
+        self.step, self.fwd, self.bwd = step, 0, 0
+        self.memory.reset_peak()
 
     def _fwd_start(self, module, args):
         self._t0 = time.time()
@@ -177,32 +217,7 @@ class Timeline:
 
     def _event(self, name: str, mb: int, start: float) -> None:
         self.log.write(kind="event", event=name, start=start, end=time.time(), stage=self.stage,
-                       microbatch=mb, step=self.step, live_activation_bytes=self.live_bytes)
-
-    def saving(self):
-        """Context manager: count the bytes of activations autograd saves (parameters excluded);
-        ``live_bytes`` rises at each save and falls when backward frees it; ``peak_bytes`` is the
-        step's maximum."""
-        def pack(t):
-            holder = _Saved(t)
-            if t.data_ptr() not in self._params:
-                n = t.numel() * t.element_size()
-                self.live_bytes += n
-                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-                weakref.finalize(holder, self._release, n)
-            return holder
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t)
-
-    def _release(self, n: int) -> None:
-        self.live_bytes -= n
-
-
-class _Saved:
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t):
-        self.t = t
+                       microbatch=mb, step=self.step, live_activation_bytes=self.memory.live_bytes)
 
 
 def _hand_gpipe_step(module: nn.Module, x, y, cfg: PipelineConfig, ctx: env.DistContext) -> float:
@@ -276,7 +291,7 @@ def worker(cfg: PipelineConfig) -> dict:
             timeline.new_step(step)
             opt.zero_grad(set_to_none=True)
             t0 = time.time()
-            with timeline.saving():
+            with timeline.memory.saving():
                 if schedule is None:
                     loss = _hand_gpipe_step(module, x, y, cfg, ctx)
                 elif s == 0:
@@ -289,7 +304,7 @@ def worker(cfg: PipelineConfig) -> dict:
                     schedule.step()
             opt.step()
             times.append(time.time() - t0)
-            peaks.append(timeline.peak_bytes)
+            peaks.append(timeline.memory.peak_bytes)
             if s == p - 1:
                 losses.append(loss)
                 log.write(kind="train", step=step, epoch=0, loss=loss, global_loss=loss,

@@ -1,0 +1,228 @@
+"""The flaws of the blog post the course started from, each reproduced by code you can run, next to
+the fixed form.
+
+Taught in notebooks/06_article_review.ipynb. The article's two samples — a DDP CNN started with
+``mp.spawn`` and a "model parallel" MLP of sub-networks — are not reproduced here; each function
+below rebuilds just the one mistake it demonstrates, in our own code, and returns (or logs) the
+symptom so the notebook can show it and a test can assert it. Follows
+https://pytorch.org/docs/stable/notes/ddp.html, https://pytorch.org/docs/stable/distributed.html
+and https://pytorch.org/docs/stable/multiprocessing.html.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import data, env, models, runlog
+
+ARTICLE_FLATTEN = 4608  # the article's hard-coded number: 32 × 12 × 12, right for 28 × 28 inputs
+
+
+# ---------------------------------------------------------------------------------------------
+# Sample 1, flaw 1: a hard-coded flatten size
+
+
+def flatten_as_written(batch_size: int, in_shape=(3, 32, 32)) -> tuple[int, ...]:
+    """The article's ``x.view(-1, 4608)`` after conv5×5(32) + 2×2 pool, on a ``(B, *in_shape)`` batch.
+
+    Returns the shape ``view`` produces. Raises RuntimeError (shape invalid) unless
+    ``B · 6272`` is a multiple of 4608, i.e. unless B is a multiple of 36 — then it *succeeds* with
+    the wrong number of rows (49 per 36 images), and the error moves on to the loss.
+    """
+    conv = nn.Conv2d(in_shape[0], 32, 5)
+    with torch.no_grad():
+        x = nn.functional.max_pool2d(torch.relu(conv(torch.zeros(batch_size, *in_shape))), 2)
+    return tuple(x.view(-1, ARTICLE_FLATTEN).shape)
+
+
+def loss_after_wrong_view(batch_size: int = 36) -> str:
+    """The message the loss raises when ``view(-1, 4608)`` produced 49 rows for 36 labels."""
+    rows = flatten_as_written(batch_size)[0]
+    logits = nn.Linear(ARTICLE_FLATTEN, 10)(torch.zeros(rows, ARTICLE_FLATTEN))
+    try:
+        nn.functional.cross_entropy(logits, torch.zeros(batch_size, dtype=torch.long))
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker demonstrations (each rank runs one; they return what they saw)
+
+
+@dataclass(kw_only=True)
+class FlawConfig:
+    """Configuration of :func:`flaw_worker`."""
+
+    flaw: str = "device_ids"
+    """"device_ids" | "no_sampler" | "no_set_epoch" | "fixed_sampler" | "summed_loss" | "no_destroy"."""
+    epochs: int = 2
+    """Epochs for the data-loading demonstrations."""
+    n_samples: int = 16
+    """Size of the toy dataset whose sample ids the ranks log."""
+    batch_size: int = 4
+    """Per-rank batch size."""
+    seed: int = 0
+    """Seed (the same on every rank, as a careful script would set it)."""
+
+
+def _ids_loader(cfg: FlawConfig, ctx: env.DistContext, how: str) -> DataLoader:
+    ds = torch.utils.data.TensorDataset(torch.arange(cfg.n_samples))
+    if how == "no_sampler":  # the article: a plain shuffled loader in every process
+        return DataLoader(ds, batch_size=cfg.batch_size, shuffle=True,
+                          generator=torch.Generator().manual_seed(cfg.seed))
+    return data.train_loader(ds, cfg.batch_size, ctx.rank, ctx.world_size, seed=cfg.seed)
+
+
+def flaw_worker(cfg: FlawConfig) -> dict:
+    """Reproduce one flaw of the DDP sample inside a real process group; return what this rank saw.
+
+    * ``device_ids``: wrap a CPU module with ``DDP(module, device_ids=[local_rank])`` as the article
+      does (it never moves the model to its GPU) → DDP's error message, and the right wrapping.
+    * ``no_sampler`` / ``no_set_epoch`` / ``fixed_sampler``: the sample ids each rank trains on per
+      epoch (``ids``: epoch → list), with a plain shuffled loader, with DistributedSampler but no
+      ``set_epoch``, and done right.
+    * ``summed_loss``: each rank's sum of batch losses over an epoch (what the article prints) vs
+      the mean over all ranks and batches (``global_mean``).
+    * ``no_destroy``: return without ``destroy_process_group``: the group is still up when the
+      worker ends (``initialized_at_exit``); gloo says nothing, NCCL warns and can hang at exit.
+    """
+    if cfg.flaw == "no_destroy":
+        # the article's shape: init, train, return — no destroy_process_group
+        dist.init_process_group(env.resolve_backend("auto"))
+        dist.all_reduce(torch.ones(1))
+        return {"rank": dist.get_rank(), "initialized_at_exit": dist.is_initialized()}
+    with env.distributed() as ctx:
+        out: dict = {"rank": ctx.rank}
+        if cfg.flaw == "device_ids":
+            try:
+                nn.parallel.DistributedDataParallel(nn.Linear(4, 2), device_ids=[ctx.local_rank])
+                out["as_written"] = "no error"
+            except (ValueError, RuntimeError, AssertionError) as exc:
+                out["as_written"] = f"{type(exc).__name__}: {exc}"
+            from .ddp import apply_ddp  # the fix: move to the rank's device first, device_ids only on GPU
+
+            fixed = apply_ddp(nn.Linear(4, 2), ctx)
+            out["fixed"] = f"{type(fixed).__name__} on {next(fixed.parameters()).device}"
+        elif cfg.flaw in ("no_sampler", "no_set_epoch", "fixed_sampler"):
+            loader = _ids_loader(cfg, ctx, cfg.flaw)
+            out["ids"] = {}
+            for epoch in range(cfg.epochs):
+                if cfg.flaw == "fixed_sampler":
+                    loader.sampler.set_epoch(epoch)
+                out["ids"][epoch] = [int(i) for (b,) in loader for i in b]
+        elif cfg.flaw == "summed_loss":
+            env.seed_everything(cfg.seed)
+            model = nn.Linear(8, 3)
+            g = torch.Generator().manual_seed(cfg.seed + 1 + ctx.rank)
+            losses = [nn.functional.cross_entropy(model(torch.randn(cfg.batch_size, 8, generator=g)),
+                                                  torch.randint(0, 3, (cfg.batch_size,), generator=g)).item()
+                      for _ in range(4 + 2 * ctx.rank)]  # ranks with different numbers of batches
+            out["summed"] = sum(losses)
+            total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+            dist.all_reduce(total)
+            out["global_mean"] = float(total[0] / total[1])
+        else:
+            raise ValueError(f"flaw={cfg.flaw!r} is not one FlawConfig knows.")
+        return out
+
+
+@dataclass(kw_only=True)
+class RankConfig:
+    """Configuration of :func:`rank_from_gpu_worker`."""
+
+    gpus_per_node: int = 1
+    """GPUs per (simulated) node: ranks 0 and 1 are on different nodes when this is 1."""
+    claimed_world_size: int | None = None
+    """World size to pass to ``init_process_group`` (None: the real one)."""
+    use_local_rank_as_rank: bool = True
+    """The article's ``rank = gpu``: pass the GPU index (the local rank) as the global rank."""
+    timeout_s: float = 5.0
+    """Rendezvous timeout: how long to wait for ranks that never come."""
+
+
+def rank_from_gpu_worker(cfg: RankConfig) -> dict:
+    """Join the process group the article's way: ``rank`` = this process's GPU index on its node.
+
+    On 2 nodes × 1 GPU both processes claim rank 0, and rendezvous fails (two rank-0 stores, or a
+    rank that never arrives) within ``timeout_s``. With ``claimed_world_size`` larger than the
+    processes actually started (the MLP sample's ``num_gpus × subnets``), the ranks wait for
+    peers that do not exist until the timeout. Returns {"rank", "world_size"} when it works.
+    """
+    gpu = env.rank() % cfg.gpus_per_node  # what the article calls `gpu`: a device index on this node
+    rank = gpu if cfg.use_local_rank_as_rank else env.rank()
+    world = cfg.claimed_world_size or env.world_size()
+    runlog.RunLog().write(kind="rank_claim", claimed_rank=rank, claimed_world_size=world, gpu=gpu)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    try:
+        dist.barrier()
+        return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Flaws shown without a process group
+
+
+def init_without_master_env() -> str:
+    """``init_process_group(init_method="env://")`` in a process where nobody set MASTER_ADDR/PORT
+    (the article runs ``mp.spawn`` from a plain script). Runs in a fresh subprocess; returns the
+    error's last line."""
+    code = ("import os, torch.distributed as dist\n"
+            "for k in ('MASTER_ADDR', 'MASTER_PORT'): os.environ.pop(k, None)\n"
+            "dist.init_process_group('gloo', init_method='env://', rank=0, world_size=2)\n")
+    return _last_error_line(code)
+
+
+def set_start_method_twice() -> str:
+    """``mp.set_start_method('spawn')`` run a second time (a re-run cell, or a module that does it on
+    import) in a fresh subprocess; returns the error's last line."""
+    code = ("import torch.multiprocessing as mp\n"
+            "mp.set_start_method('spawn')\n"
+            "mp.set_start_method('spawn')\n")
+    return _last_error_line(code)
+
+
+def _last_error_line(code: str) -> str:
+    env_ = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env_)
+    lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
+    return lines[-1] if out.returncode else "no error"
+
+
+def retained_graph_bytes(retain_graph: bool, steps: int = 3, batch_size: int = 64) -> list[int]:
+    """Bytes of saved activations still alive after each step's ``backward`` + ``step``, for the
+    article's MLP trained with ``backward(retain_graph=...)`` in the article's loop shape.
+
+    With ``retain_graph=True`` the whole graph of the last step (every saved activation) stays in
+    memory after backward, until the next step replaces ``loss``; with False it is freed at once.
+    """
+    from .pipeline import ActivationMeter
+
+    model = models.ArticleMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    meter = ActivationMeter(model)
+    after = []
+    x, y = torch.randn(batch_size, 1024), torch.randint(0, 100, (batch_size,))
+    loss = None
+    for _ in range(steps):
+        opt.zero_grad()
+        with meter.saving():
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward(retain_graph=retain_graph)
+        opt.step()
+        after.append(meter.live_bytes)
+    del loss
+    return after
+

@@ -26,14 +26,13 @@ from pathlib import Path
 
 RUN_DIR_ENV = "MGTUTORIAL_RUN_DIR"
 
-# Substrings of errors that a rank gets *because another rank failed* (its peer vanished).
+# Substrings of errors that a rank gets *because another rank failed* (its peer vanished). Error
+# types alone (DistStoreError, DistNetworkError) say nothing: a rank's own rendezvous timeout or a
+# taken port has them too.
 _SECONDARY_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
-    "DistNetworkError",
-    "DistBackendError",
-    "DistStoreError",
     "SIGTERM",
 )
 

@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import data, ddp, env, live, pipeline, runlog
+from . import data, ddp, env, pipeline, runlog
 from .launch import WorkerFailed, launch
 
 
@@ -77,12 +77,16 @@ def _run_under_torchrun(args, worker, cfg, name: str):
     summary = worker(cfg)
     records = runlog.read_run(run_dir) if env.rank() == 0 else []
     if any(r.get("kind") == "train" for r in records):
+        from . import live
+
         (run_dir / "loss.png").write_bytes(live.figure_png(live.loss_figure(records, run_dir.name)))
     return run_dir, summary
 
 
 def _launch_locally(args, worker, cfg, name: str):
     nproc = args.nproc or env.default_nprocs()
+    from . import live
+
     run = launch(worker, cfg, nproc, runs_dir=args.runs_dir, name=name)
     print(f"launched {nproc} rank(s) ({env.resolve_backend(cfg.backend, nproc)}); logs in {run.run_dir}")
     result = live.follow_terminal(run)

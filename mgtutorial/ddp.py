@@ -86,11 +86,12 @@ def log_step(log: runlog.RunLog, ctx: env.DistContext, *, step: int, epoch: int,
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, epoch: int, step: int,
-                    batch: int = 0) -> None:
+                    batch: int = 0, samples: int = 0) -> None:
     """Write the *unwrapped* model's state_dict, the optimizer's, and progress, atomically.
 
     ``epoch`` is the number of completed epochs, ``step`` the global step, ``batch`` the batches
-    already done in epoch ``epoch`` (a mid-epoch snapshot; 0 at an epoch end). Saved to
+    already done in epoch ``epoch`` (a mid-epoch snapshot; 0 at an epoch end), ``samples`` the
+    samples rank 0 has trained on so far. Saved to
     ``path.tmp`` then renamed, so a crash never leaves half a file. Call on rank 0 only, then
     ``barrier`` on every rank.
     """
@@ -98,7 +99,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, epoch:
     path.parent.mkdir(parents=True, exist_ok=True)
     module = model.module if isinstance(model, DDP) else model
     state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
-             "epoch": epoch, "step": step, "batch": batch}
+             "epoch": epoch, "step": step, "batch": batch, "samples": samples}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -163,6 +164,7 @@ class Trainer:
         if cfg.resume and cfg.checkpoint and Path(cfg.checkpoint).exists():
             state = load_checkpoint(cfg.checkpoint, model, optimizer, ctx.device)
             self.first_epoch, self.step, self.skip = state["epoch"], state["step"], state.get("batch", 0)
+            self.samples = state.get("samples", 0)
             self.log.write(kind="resume", step=self.step, epoch=self.first_epoch, batch=self.skip,
                            attempt=self.attempt)
             ctx.print(f"resumed from {cfg.checkpoint}: {self.first_epoch} epoch(s) + {self.skip} batch(es), "
@@ -176,7 +178,7 @@ class Trainer:
 
     def _save(self, epoch: int, batch: int) -> None:
         if self.ctx.is_main:
-            save_checkpoint(self.cfg.checkpoint, self.model, self.optimizer, epoch, self.step, batch)
+            save_checkpoint(self.cfg.checkpoint, self.model, self.optimizer, epoch, self.step, batch, self.samples)
             self.log.write(kind="checkpoint", step=self.step, epoch=epoch, batch=batch, path=str(self.cfg.checkpoint))
         if self.ctx.initialized:
             torch.distributed.barrier()  # nobody reads the file before it is complete

@@ -43,7 +43,8 @@ def torchrun_command(module_args: list[str], *, nproc_per_node: int = 2, nnodes:
     * One node, no endpoint: ``--standalone`` (torchrun picks a free port itself).
     * Several nodes, dynamic (the default): a c10d rendezvous at ``rdzv_endpoint`` (``host:port``
       of one node, reachable from all), the same ``run_id`` everywhere. The rendezvous hands out
-      node ranks (GROUP_RANK) in the order nodes join; no ``--node-rank``.
+      node ranks (GROUP_RANK) itself (torch 2.14 sorts the nodes by host name, then process id);
+      no ``--node-rank``.
     * Several nodes, static: give ``node_rank`` too; each node then passes ``--node-rank`` and the
       endpoint as ``--master-addr/--master-port`` (node 0 hosts it).
 
@@ -135,7 +136,10 @@ class Agents:
 def simulated_nodes(module_args: list[str], nnodes: int = 2, nproc_per_node: int = 1,
                     log_dir: str | os.PathLike = "runs/nodes", extra_env: dict | None = None) -> Agents:
     """Start ``nnodes`` torchrun agents on this machine as if each were a node: node ranks 0 … nnodes − 1,
-    one c10d rendezvous on 127.0.0.1 at a free port. Returns the running :class:`Agents`."""
+    one c10d rendezvous on 127.0.0.1 at a free port. Returns the running :class:`Agents`.
+
+    Every simulated node's ranks have local ranks 0, 1, …, so on a GPU machine they would all pick
+    ``cuda:0``, which NCCL refuses: pass ``--backend gloo`` in ``module_args`` there."""
     endpoint = f"127.0.0.1:{free_port()}"
     run_id = f"sim-{os.getpid()}-{int(time.time())}"
     cmds = [torchrun_command(module_args, nproc_per_node=nproc_per_node, nnodes=nnodes,
@@ -186,10 +190,12 @@ def hang_worker(cfg: HangConfig) -> dict:
     of a collective inside ``if rank == …``. The others wait inside their all-reduce until
     ``timeout_s``, then fail with an error that names the collective, the step and the time waited.
 
-    Note that the other ranks' *first* all-reduces still complete: collectives are matched by
-    order, not by step, so rank 1's step-2 call pairs with rank 0's step-1 call — silently wrong —
-    and the hang only shows at the end. Logs ``kind="collective_start"`` before each all-reduce
-    (so a debugger knows where each rank is).
+    Collectives are matched by order, not by step: rank 1's step-2 call (3 elements) pairs with
+    rank 0's step-1 call (2 elements). gloo does not check, and both ranks end up waiting for data
+    that never comes; the first to reach its timeout fails. With ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+    the mismatch is caught at that very call. Logs ``kind="collective_start"`` before each
+    all-reduce (so a debugger knows where each rank is). If the skipping rank gets past its
+    collectives, it does ``rank_work_s`` of work of its own before leaving.
     """
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
         for step in range(cfg.steps):

@@ -13,6 +13,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -228,6 +229,9 @@ def test_leftover_rank_is_found():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "mgtutorial-fake-rank"])
     child = psutil.Process(proc.pid)
     try:
+        deadline = time.monotonic() + 10  # until the child has exec'd, its command line is pytest's
+        while child not in conftest.rank_descendants() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert child in conftest.rank_descendants(), \
             "a live child with 'mgtutorial' in its arguments was not recognised as a rank"
         assert conftest.survivors([child], grace_s=0.5) == [child]

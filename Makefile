@@ -4,13 +4,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+# The end-to-end test (tests/e2e) drives this browser; Playwright never downloads one of its own.
+CHROMIUM ?= /usr/bin/chromium
+export MGTUTORIAL_CHROMIUM := $(CHROMIUM)
+export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 
-.PHONY: lab demo test test-unit test-notebooks clean-runs
+.PHONY: lab demo test test-unit test-notebooks test-e2e chromium clean-runs
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,e2e]"
 	@touch $(STAMP)
 
 lab: $(STAMP)  ## open the course in JupyterLab (token auth: use the URL it prints)
@@ -19,7 +23,7 @@ lab: $(STAMP)  ## open the course in JupyterLab (token auth: use the URL it prin
 demo: $(STAMP)  ## the headless main job: DDP on 2 ranks, progress, final accuracy, loss.png
 	$(PY) -m mgtutorial ddp --nproc 2 --epochs 3 --dataset auto --runs-dir runs
 
-test: $(STAMP)  ## unit + multi-rank tests, then every notebook under nbval
+test: $(STAMP) chromium  ## unit + multi-rank + end-to-end (JupyterLab in Chromium) tests, then every notebook under nbval
 	$(PY) -m pytest tests notebooks --nbval-lax
 
 test-unit: $(STAMP)
@@ -27,6 +31,21 @@ test-unit: $(STAMP)
 
 test-notebooks: $(STAMP)
 	$(PY) -m pytest notebooks --nbval-lax
+
+test-e2e: $(STAMP) chromium  ## chapter 02 in JupyterLab in headless Chromium; screenshots in test-artifacts/e2e
+	$(PY) -m pytest tests/e2e -v
+
+# Debian's chromium, installed with apt-get where it is missing and we may (root, apt-get). Where it
+# cannot be installed, this says so and tests/e2e is skipped with the reason.
+chromium:
+	@if [ -x "$(CHROMIUM)" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's chromium for tests/e2e (apt-get)"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; } \
+			|| echo "WARNING: could not install chromium: tests/e2e will be skipped"; \
+	else \
+		echo "WARNING: $(CHROMIUM) is missing and needs root and apt-get to install: tests/e2e will be skipped"; \
+	fi
 
 clean-runs:  ## delete run directories (logs, checkpoints, plots)
 	rm -rf runs notebooks/runs

@@ -23,7 +23,8 @@ def _pip_section(text: str) -> list[str]:
 
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = project["dependencies"] + project["optional-dependencies"]["test"]
+    extras = project["optional-dependencies"]
+    wanted = project["dependencies"] + extras["test"] + extras["e2e"]
     listed = [p for p in _pip_section((ROOT / "environment.yml").read_text()) if not p.startswith("-e")]
     assert sorted(listed) == sorted(wanted)
 

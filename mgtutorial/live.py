@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from . import runlog
 
@@ -34,15 +35,20 @@ def loss_figure(records: list[dict], title: str | None = None) -> Figure:
             by_rank[rec["rank"]].append(rec)
         elif rec.get("kind") == "eval" and rec.get("rank") == 0:
             evals.append(rec)
+    few = max((len(v) for v in by_rank.values()), default=0) < 20  # early frames: show the points
     for r in sorted(by_rank):
         recs = by_rank[r]
-        ax.plot([x["step"] for x in recs], [x["loss"] for x in recs], lw=1, alpha=0.7, label=f"rank {r}")
+        ax.plot([x["step"] for x in recs], [x["loss"] for x in recs], lw=1, alpha=0.7, label=f"rank {r}",
+                marker="." if few else None)
     if by_rank:
         recs = by_rank[min(by_rank)]
         ax.plot([x["step"] for x in recs], [x["global_loss"] for x in recs], lw=2.5, color="black",
-                label="global mean")
+                label="global mean", marker="o" if few else None)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    last_step = max((x["step"] for v in by_rank.values() for x in v), default=0)
+    ax.set_xlim(0, max(5, last_step) + 0.5)
     ax.grid(alpha=0.3)
     if evals:
         ax2 = ax.twinx()
@@ -50,7 +56,9 @@ def loss_figure(records: list[dict], title: str | None = None) -> Figure:
                  label="test accuracy")
         ax2.set_ylabel("test accuracy (%)", color="tab:green")
         ax2.set_ylim(0, 100)
-    ax.legend(loc="center right", fontsize="small")  # the accuracy markers sit near the top
+    handles = [h for a in fig.axes for h in a.get_legend_handles_labels()[0]]
+    if handles:  # beside the plot, never over the curves
+        fig.legend(handles=handles, loc="outside right upper", fontsize="small")
     ax.set_title(title or "training loss")
     return fig
 

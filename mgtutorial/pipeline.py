@@ -137,6 +137,9 @@ def unsplit_reference(cfg: PipelineConfig) -> tuple[nn.Module, list[float]]:
 class ActivationMeter:
     """Counts the bytes of activations autograd saves for backward (parameters excluded).
 
+    It counts saves, not storage: a tensor saved by two operations (e.g. log-softmax's output,
+    kept by both ``log_softmax`` and ``nll_loss``) counts twice.
+
     ``with meter.saving(): ...`` installs saved-tensor hooks: ``live_bytes`` rises at each save and
     falls when backward (or the graph's end) frees it; ``peak_bytes`` is the maximum since
     :meth:`reset_peak`. Measured, not assumed: this is how chapter 04 compares GPipe with 1F1B and
@@ -268,8 +271,6 @@ def worker(cfg: PipelineConfig) -> dict:
     Raises:
         ValueError: see :func:`check_config` (before any work).
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
         s, p = ctx.rank, ctx.world_size
         check_config(cfg, p)
@@ -278,6 +279,8 @@ def worker(cfg: PipelineConfig) -> dict:
         opt = torch.optim.SGD(module.parameters(), lr=cfg.lr)
         schedule = None
         if cfg.schedule != "hand-gpipe":
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
             stage = PipelineStage(module, s, p, ctx.device)
             cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
             schedule = cls(stage, cfg.n_microbatches, loss_fn=nn.functional.cross_entropy)
@@ -346,10 +349,13 @@ def gantt(evs: list[dict], ax=None, title: str = ""):
         fig = Figure(figsize=(9, 0.6 + 0.55 * len({e['stage'] for e in evs})), layout="constrained")
         ax = fig.add_subplot()
     t0 = min(e["start"] for e in evs)
+    span = (max(e["end"] for e in evs) - t0) * 1e3
     for e in evs:
         color = "tab:blue" if e["event"] == "forward" else "tab:orange"
         left, width = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
         ax.barh(e["stage"], width, left=left, color=color, edgecolor="black", linewidth=0.5)
+        if width < 0.02 * span:  # too narrow for a label
+            continue
         ax.text(left + width / 2, e["stage"], f"{'F' if e['event'] == 'forward' else 'B'}{e['microbatch']}",
                 ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(sorted({e["stage"] for e in evs}), [f"stage {s}" for s in sorted({e['stage'] for e in evs})])

@@ -169,4 +169,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if env.is_distributed_env():
+        # one rank under torchrun: leave without C++ teardown, which can abort a finished rank
+        from .launch import _exit_now
+
+        _exit_now(code)
+    sys.exit(code)

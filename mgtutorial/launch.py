@@ -144,6 +144,7 @@ def _entry(worker_ref: str, cfg) -> Any:
         except TypeError:
             value = repr(value)
         runlog.write_result(value)
+        atexit.register(_exit_now)  # skip C++ teardown once the work is safely recorded
         return value
     except BaseException as exc:
         runlog.write_error(exc)
@@ -152,6 +153,21 @@ def _entry(worker_ref: str, cfg) -> Any:
         traceback.print_exc()
         sys.stderr.flush()
         raise
+
+
+def _exit_now(code: int = 0) -> None:
+    """Leave at once, without the interpreter's and C++ libraries' teardown.
+
+    After a worker's result is written, nothing is left to do, but destroying static C++ objects can
+    still abort the process (gloo threads: "terminate called without an active exception"),
+    which would turn a finished rank into a failed one. Flushes stdout/stderr first.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def _import_ref(ref: str):

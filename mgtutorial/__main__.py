@@ -74,6 +74,8 @@ def _run_under_torchrun(args, worker, cfg, name: str):
         (run_dir / "config.json").write_text(json.dumps(
             {"worker": f"{worker.__module__}:{worker.__qualname__}", "nprocs": env.world_size(),
              "backend": cfg.backend, "config": dataclasses.asdict(cfg)}, indent=2))
+    if callable(getattr(cfg, "validate", None)):
+        cfg.validate(env.world_size())
     summary = worker(cfg)
     records = runlog.read_run(run_dir) if env.rank() == 0 else []
     if any(r.get("kind") == "train" for r in records):
@@ -84,7 +86,7 @@ def _run_under_torchrun(args, worker, cfg, name: str):
 
 
 def _launch_locally(args, worker, cfg, name: str):
-    nproc = args.nproc or env.default_nprocs()
+    nproc = env.default_nprocs() if args.nproc is None else args.nproc
     from . import live
 
     run = launch(worker, cfg, nproc, runs_dir=args.runs_dir, name=name)

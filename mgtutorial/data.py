@@ -72,7 +72,8 @@ def load_cifar10(root: str | os.PathLike | None = None, download: bool = False):
         raise FileNotFoundError(
             f"CIFAR-10 is not in {root}. Fetch it once (170 MB) with\n"
             "    python -m mgtutorial data cifar10\n"
-            "or pass download=True; set MGTUTORIAL_DATA to keep it elsewhere. "
+            "or pass download=True (--download on the command line); set MGTUTORIAL_DATA to keep it "
+            "elsewhere. "
             "dataset='digits' (or 'auto') trains offline on real handwritten digits."
         )
     tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])

@@ -63,7 +63,8 @@ class DDPConfig:
     checkpoint_every: int = 0
     """Also save a snapshot every this many steps, mid-epoch (0: only at epoch ends) — chapter 05."""
     resume: bool = False
-    """Load ``checkpoint`` if it exists and continue exactly where it was taken (mid-epoch too)."""
+    """Load ``checkpoint`` if it exists and continue exactly where it was taken (mid-epoch too,
+    e.g. after ``max_steps`` cut an epoch short)."""
     evaluate: bool = True
     """Measure test-set accuracy at the end of each epoch."""
     fail_rank: int = -1
@@ -73,6 +74,19 @@ class DDPConfig:
     fail_how: str = "raise"
     """… by raising ("raise") or by SIGKILL-ing itself ("sigkill"); only on a job's first attempt
     (``TORCHELASTIC_RESTART_COUNT`` 0), so an elastic restart gets past it."""
+
+    def validate(self, world_size: int) -> None:
+        """Called by :func:`mgtutorial.launch` before any process starts. Raises ValueError."""
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1.")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps}: must be at least 1 (or None for all epochs).")
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr}: the learning rate must be positive.")
+        if self.fail_how not in ("raise", "sigkill"):
+            raise ValueError(f"fail_how={self.fail_how!r} is not 'raise' or 'sigkill'.")
+        data.resolve_dataset(self.dataset, self.data_root)
 
 
 def log_step(log: runlog.RunLog, ctx: env.DistContext, *, step: int, epoch: int, loss: float,
@@ -198,11 +212,14 @@ class Trainer:
         self.loader.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
         self.model.train()
         total = 0.0
+        self.batches_done = 0  # of this epoch, for a snapshot if max_steps cuts it short
         for batch, (x, y) in enumerate(self.loader):
+            self.batches_done = batch
             if batch < self.skip:  # resuming mid-epoch: these were trained before the snapshot
                 continue
             if self._done():
                 break
+            self.batches_done = batch + 1
             x, y = x.to(self.ctx.device), y.to(self.ctx.device)
             loss = self._run_batch(x, y)
             self.step += 1
@@ -249,7 +266,10 @@ class Trainer:
             self.ctx.print(f"epoch {epoch + 1}/{self.cfg.epochs}: step {self.step}, global loss "
                            f"{loss:.4f}" + (f", test accuracy {acc:.1%}" if acc is not None else ""))
             if self.cfg.checkpoint:
-                self._save(epoch + 1, 0)
+                if self.batches_done < len(self.loader):  # max_steps cut the epoch short
+                    self._save(epoch, self.batches_done)
+                else:
+                    self._save(epoch + 1, 0)
             if self._done():
                 break
         elapsed = time.time() - start

@@ -198,6 +198,17 @@ def _ref_of(obj, what: str) -> str:
     return f"{module}:{qualname}"
 
 
+def _refuse_in_spawned_child() -> None:
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "launch() was called while a spawned rank was starting up: the rank re-imported the main "
+            "script and reached the launching code again. Put that code under "
+            "`if __name__ == \"__main__\":` in your script."
+        )
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -286,7 +297,11 @@ def launch(
     Raises:
         ValueError, WorkerNotImportable, TypeError: see :func:`check_config`; a taken ``master_port``.
     """
+    if backend and getattr(cfg, "backend", backend) != backend:
+        raise ValueError(f"backend={backend!r} but cfg.backend={cfg.backend!r}: the ranks use the config's; "
+                         "set it there (or pass the same value).")
     backend = backend or getattr(cfg, "backend", None) or "auto"
+    _refuse_in_spawned_child()
     ref, _ = check_config(worker, cfg, nprocs, backend)
     if master_port is None:
         master_port = free_port()
@@ -468,8 +483,12 @@ class Run:
             f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
             else f"exited with code {code}"
         )
-        return WorkerFailed(rank, "ProcessExited", f"the process {how} before reporting an error",
-                            self.log_path(rank), "", code)
+        log = self.log_path(rank)
+        hint = "" if log.exists() else (
+            "; it died while starting up, before its log existed (its traceback is on the launching "
+            "terminal). From a script: is the launching code under `if __name__ == \"__main__\":`?")
+        return WorkerFailed(rank, "ProcessExited", f"the process {how} before reporting an error{hint}",
+                            log, "", code)
 
 
 def _is_running(pid: int) -> bool:

@@ -66,6 +66,18 @@ def test_checkpoint_written_once_loads_strict_and_resume_continues(runs, no_left
         torch.testing.assert_close(resumed[k], uninterrupted[k])
 
 
+@pytest.mark.timeout(120)
+def test_max_steps_cut_epoch_resumes_mid_epoch(runs, no_leftovers):
+    common = dict(dataset="synthetic", batch_size=16, evaluate=False, checkpoint=str(runs / "cut.pt"))
+    launch(ddp.worker, ddp.DDPConfig(epochs=1, max_steps=3, **common), 2, runs_dir=runs).wait(timeout=60)
+    state = torch.load(runs / "cut.pt", weights_only=True)
+    assert (state["epoch"], state["batch"], state["step"]) == (0, 3, 3)  # not "1 epoch done"
+    run = launch(ddp.worker, ddp.DDPConfig(epochs=1, resume=True, **common), 2, runs_dir=runs)
+    res = run.wait(timeout=60)
+    per_epoch = -(-256 // (16 * 2))  # synthetic train set: 256 samples, 2 ranks × 16
+    assert res.values[0]["steps"] == per_epoch  # the rest of epoch 0 was trained, nothing skipped
+
+
 def test_checkpoint_roundtrip_without_processes(tmp_path):
     model = models.ArticleCNN()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

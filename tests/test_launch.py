@@ -70,7 +70,11 @@ def test_bad_configurations_are_refused_before_start(runs, monkeypatch):
         launch(env.hello, env.HelloConfig(backend="nccl"), 2, runs_dir=runs)
     monkeypatch.setattr(env, "gpu_count", lambda: 1)
     with pytest.raises(ValueError, match="2 ranks per node needs 2 GPUs, but 1"):
-        launch(env.hello, env.HelloConfig(), 2, backend="nccl", runs_dir=runs)
+        launch(env.hello, env.HelloConfig(backend="nccl"), 2, runs_dir=runs)
+    with pytest.raises(ValueError, match="backend='gloo' but cfg.backend='nccl'"):
+        launch(env.hello, env.HelloConfig(backend="nccl"), 2, backend="gloo", runs_dir=runs)
+    with pytest.raises(ValueError, match="batch_size=0: must be at least 1"):
+        launch(ddp.worker, ddp.DDPConfig(batch_size=0), 2, runs_dir=runs)
     assert not list(runs.iterdir())
 
 

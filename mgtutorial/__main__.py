@@ -16,8 +16,6 @@ and runs the worker directly, without launching again.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
@@ -71,9 +69,8 @@ def _run_under_torchrun(args, worker, cfg, name: str):
     run_dir = runlog.run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     if env.rank() == 0:
-        (run_dir / "config.json").write_text(json.dumps(
-            {"worker": f"{worker.__module__}:{worker.__qualname__}", "nprocs": env.world_size(),
-             "backend": cfg.backend, "config": dataclasses.asdict(cfg)}, indent=2))
+        runlog.write_config(run_dir, f"{worker.__module__}:{worker.__qualname__}", env.world_size(),
+                            cfg.backend, cfg)
     if callable(getattr(cfg, "validate", None)):
         cfg.validate(env.world_size())
     summary = worker(cfg)

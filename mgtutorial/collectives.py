@@ -25,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import data, ddp, env, models, runlog
+from . import ddp, env, models, runlog
 
 # ---------------------------------------------------------------------------------------------
 # 1. The collectives, on small tensors whose values say where they came from
@@ -174,8 +174,7 @@ def scratch_worker(cfg: ddp.DDPConfig) -> dict:
     """
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
         model, train_set, _, optimizer = ddp.build(cfg, ctx, wrap=apply_from_scratch_ddp)
-        loader = data.train_loader(train_set, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed, cfg.shuffle)
-        loader.sampler.set_epoch(0)
+        loader = ddp.rank_loader(train_set, cfg, ctx.rank, ctx.world_size)
         loss_fn, calls, step = nn.CrossEntropyLoss(), 0, 0
         for step, (x, y) in enumerate(loader, start=1):
             optimizer.zero_grad(set_to_none=True)
@@ -237,8 +236,7 @@ def hooks_worker(cfg: HooksConfig) -> dict:
         model, train_set, _, optimizer = ddp.build(cfg, ctx, wrap=wrap)
         state = {"buckets": []}
         model.register_comm_hook(state, counting_allreduce_hook)
-        loader = data.train_loader(train_set, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed, cfg.shuffle)
-        loader.sampler.set_epoch(0)
+        loader = ddp.rank_loader(train_set, cfg, ctx.rank, ctx.world_size)
         loss_fn, k, batches = nn.CrossEntropyLoss(), cfg.accumulation_steps, iter(loader)
         for step in range(1, (cfg.max_steps or 1) + 1):
             optimizer.zero_grad(set_to_none=True)
@@ -300,8 +298,7 @@ def pitfall_worker(cfg: PitfallConfig) -> dict:
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
         wrap = functools.partial(ddp.apply_ddp, find_unused_parameters=cfg.find_unused_parameters)
         model, train_set, _, optimizer = ddp.build(cfg, ctx, wrap=wrap, model_cls=model_cls)
-        loader = data.train_loader(train_set, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed, cfg.shuffle)
-        loader.sampler.set_epoch(0)
+        loader = ddp.rank_loader(train_set, cfg, ctx.rank, ctx.world_size)
         steps = (cfg.max_steps or 4) + (cfg.extra_batches_last_rank if ctx.rank == ctx.world_size - 1 else 0)
         loss_fn, step = nn.CrossEntropyLoss(), 0
         with Join([model]) if cfg.use_join else contextlib.nullcontext():

@@ -89,6 +89,17 @@ class DDPConfig:
         data.resolve_dataset(self.dataset, self.data_root)
 
 
+def rank_loader(train_set, cfg: DDPConfig, rank: int, world_size: int, epoch: int = 0):
+    """Rank ``rank``'s training loader for ``cfg`` (per-rank batch, seed, shuffle), set to ``epoch``.
+
+    The one place the chapters' workers and the single-process reference build it, so they all
+    draw the same indices (see :func:`mgtutorial.data.train_loader`).
+    """
+    loader = data.train_loader(train_set, cfg.batch_size, rank, world_size, seed=cfg.seed, shuffle=cfg.shuffle)
+    loader.sampler.set_epoch(epoch)
+    return loader
+
+
 def log_step(log: runlog.RunLog, ctx: env.DistContext, *, step: int, epoch: int, loss: float,
              samples: int) -> dict:
     """Log one training step: this rank's ``loss`` and ``global_loss``, its all-reduced mean.
@@ -168,8 +179,7 @@ class Trainer:
 
     def __init__(self, model, train_set, test_set, optimizer, ctx: env.DistContext, cfg: DDPConfig):
         self.model, self.optimizer, self.ctx, self.cfg = model, optimizer, ctx, cfg
-        self.loader = data.train_loader(train_set, cfg.batch_size, ctx.rank, ctx.world_size,
-                                        seed=cfg.seed, shuffle=cfg.shuffle)
+        self.loader = rank_loader(train_set, cfg, ctx.rank, ctx.world_size)
         self.test_set = test_set
         self.loss_fn = nn.CrossEntropyLoss()
         self.log = runlog.RunLog()
@@ -301,10 +311,7 @@ def combined_batch_reference(cfg: DDPConfig, world_size: int) -> nn.Module:
         raise ValueError("combined_batch_reference needs cfg.max_steps.")
     ctx = env.DistContext(0, 0, 1, "none", torch.device("cpu"), False)
     model, train_set, _, optimizer = build(cfg, ctx)
-    loaders = [data.train_loader(train_set, cfg.batch_size, r, world_size, cfg.seed, cfg.shuffle)
-               for r in range(world_size)]
-    for loader in loaders:
-        loader.sampler.set_epoch(0)
+    loaders = [rank_loader(train_set, cfg, r, world_size) for r in range(world_size)]
     loss_fn = nn.CrossEntropyLoss()
     for step, batches in enumerate(zip(*loaders)):
         if step >= cfg.max_steps:

@@ -311,17 +311,7 @@ def launch(
     run_name = f"{name or ref.split(':')[0].rsplit('.', 1)[-1]}-{stamp}-{secrets.token_hex(2)}"
     run_dir = Path(runs_dir).resolve() / run_name
     run_dir.mkdir(parents=True, exist_ok=False)
-    (run_dir / "config.json").write_text(
-        json.dumps(
-            {
-                "worker": ref,
-                "nprocs": nprocs,
-                "backend": backend,
-                "config": dataclasses.asdict(cfg) if cfg is not None else None,
-            },
-            indent=2,
-        )
-    )
+    runlog.write_config(run_dir, ref, nprocs, backend, cfg)
     base = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(master_port),

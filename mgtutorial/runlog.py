@@ -172,6 +172,17 @@ def write_error(exc: BaseException, directory: str | os.PathLike | None = None) 
     return path
 
 
+def write_config(directory: str | os.PathLike, worker_ref: str, nprocs: int, backend: str, cfg) -> Path:
+    """Write ``<run dir>/config.json``: the worker (``module:name``), ranks, backend and the config
+    dataclass (or None)."""
+    import dataclasses
+
+    path = Path(directory) / "config.json"
+    path.write_text(json.dumps({"worker": worker_ref, "nprocs": nprocs, "backend": backend,
+                                "config": dataclasses.asdict(cfg) if cfg is not None else None}, indent=2))
+    return path
+
+
 def write_result(value, directory: str | os.PathLike | None = None) -> Path:
     """Record that this rank's worker returned, with its (JSON-able) return value."""
     d = Path(directory) if directory is not None else run_dir()

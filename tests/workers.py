@@ -33,7 +33,7 @@ class SleepConfig:
 
 
 def sleeper(cfg: SleepConfig) -> None:
-    with env.distributed() as ctx, runlog.RunLog() as log:
+    with env.distributed(), runlog.RunLog() as log:
         end = time.time() + cfg.seconds
         step = 0
         while time.time() < end:

@@ -33,6 +33,7 @@ import torch
 
 from mgtutorial import launch, runlog
 from mgtutorial import pipeline as P
+from mgtutorial import timeline as T
 
 MICROBATCHES = (1, 2, 4, 8)
 
@@ -50,7 +51,7 @@ def measure(schedule: str, m: int, args, runs_dir: str) -> tuple[float, float]:
             run.stop()
     times = result.values[0]["step_times_s"][args.warmup:]
     records = runlog.read_run(run.run_dir)
-    bubbles = [P.bubble_measured(P.events(records, step)) for step in range(args.warmup + 1, cfg.steps + 1)]
+    bubbles = [T.bubble_measured(T.events(records, step)) for step in range(args.warmup + 1, cfg.steps + 1)]
     return args.batch_size / statistics.median(times), statistics.median(bubbles)
 
 
@@ -71,7 +72,7 @@ def main() -> None:
         print(f"naive split (m=1): {naive:8.0f} samples/s, bubble {naive_bubble:.3f}", flush=True)
         for m in MICROBATCHES:
             out["naive"][m] = naive
-            out["bubble_formula"][m] = P.bubble_formula(2, m)
+            out["bubble_formula"][m] = T.bubble_formula(2, m)
             for schedule in ("gpipe", "1f1b"):
                 if schedule == "1f1b" and m < 2:
                     continue
@@ -79,7 +80,7 @@ def main() -> None:
                 out[schedule][m] = rate
                 out["bubble_measured"][schedule][m] = bubble
                 print(f"{schedule:>5} m={m}: {rate:8.0f} samples/s, bubble {bubble:.3f} "
-                      f"(formula {P.bubble_formula(2, m):.3f})", flush=True)
+                      f"(formula {T.bubble_formula(2, m):.3f})", flush=True)
     out["speedup_gpipe_m8_vs_naive"] = out["gpipe"][8] / naive
     out["bubble_max_abs_error_gpipe"] = max(abs(out["bubble_measured"]["gpipe"][m] - out["bubble_formula"][m])
                                             for m in MICROBATCHES)

@@ -1,7 +1,8 @@
 """mgtutorial: multi-GPU training in PyTorch, taught chapter by chapter (see notebooks/).
 
 The public API, re-exported from the modules that define it. The plotting names (from
-:mod:`mgtutorial.live`) are imported on first use (PEP 562), so ranks do not load matplotlib.
+:mod:`mgtutorial.live`) and the run handle (from :mod:`mgtutorial.run`) are imported on first use
+(PEP 562), so ranks load neither matplotlib nor psutil.
 """
 
 from __future__ import annotations
@@ -9,15 +10,17 @@ from __future__ import annotations
 import importlib
 
 from .data import load_dataset, train_loader
-from .ddp import DDPConfig, Trainer, load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
+from .ddp import DDPConfig, Trainer
 from .env import describe, resolve_backend
-from .launch import Run, RunResult, WorkerFailed, WorkerNotImportable, launch
+from .launch import WorkerNotImportable, launch
 from .models import ArticleCNN, ArticleMLP, cnn_flatten_size
 from .runlog import LogReader, RunLog, RunReader, read_run
 
 __version__ = "0.1.0"
 
-_LAZY = {"LivePlot": "live", "loss_figure": "live", "watch": "live"}
+_LAZY = {"LivePlot": "live", "loss_figure": "live", "watch": "live",
+         "Run": "run", "RunResult": "run", "WorkerFailed": "run"}
 
 __all__ = [
     "ArticleCNN", "ArticleMLP", "DDPConfig", "LivePlot", "LogReader", "Run", "RunLog", "RunReader",

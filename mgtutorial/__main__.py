@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 from . import data, ddp, env, pipeline, runlog
-from .launch import WorkerFailed, launch
+from .launch import launch
+from .run import WorkerFailed
 
 
 def _ddp_parser(sub) -> None:
@@ -171,7 +172,7 @@ if __name__ == "__main__":
     code = main()
     if env.is_distributed_env():
         # one rank under torchrun: leave without C++ teardown, which can abort a finished rank
-        from .launch import _exit_now
+        from ._rank import exit_now
 
-        _exit_now(code)
+        exit_now(code)
     sys.exit(code)

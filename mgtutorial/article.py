@@ -208,7 +208,7 @@ def retained_graph_bytes(retain_graph: bool, steps: int = 3, batch_size: int = 6
     With ``retain_graph=True`` the whole graph of the last step (every saved activation) stays in
     memory after backward, until the next step replaces ``loss``; with False it is freed at once.
     """
-    from .pipeline import ActivationMeter
+    from .timeline import ActivationMeter
 
     model = models.ArticleMLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

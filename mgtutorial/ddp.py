@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import data, env, models, runlog
+from .checkpoint import load_checkpoint, save_checkpoint
 
 
 @dataclass(kw_only=True)
@@ -108,40 +109,6 @@ def log_step(log: runlog.RunLog, ctx: env.DistContext, *, step: int, epoch: int,
     """
     return log.write(kind="train", step=step, epoch=epoch, loss=loss,
                      global_loss=env.global_mean(loss, ctx), samples=samples)
-
-
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, epoch: int, step: int,
-                    batch: int = 0, samples: int = 0) -> None:
-    """Write the *unwrapped* model's state_dict, the optimizer's, and progress, atomically.
-
-    ``epoch`` is the number of completed epochs, ``step`` the global step, ``batch`` the batches
-    already done in epoch ``epoch`` (a mid-epoch snapshot; 0 at an epoch end), ``samples`` the
-    samples rank 0 has trained on so far. Saved to
-    ``path.tmp`` then renamed, so a crash never leaves half a file. Call on rank 0 only, then
-    ``barrier`` on every rank.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    module = model.module if isinstance(model, DDP) else model
-    state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
-             "epoch": epoch, "step": step, "batch": batch, "samples": samples}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None,
-                    device: torch.device | str = "cpu") -> dict:
-    """Load a :func:`save_checkpoint` file into ``model`` (strict) and ``optimizer``.
-
-    ``map_location=device`` puts tensors on this rank's device; ``weights_only=True`` refuses
-    arbitrary pickled code. Returns the checkpoint dict (``epoch``, ``step``).
-    """
-    state = torch.load(path, map_location=device, weights_only=True)
-    (model.module if isinstance(model, DDP) else model).load_state_dict(state["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    return state
 
 
 def apply_ddp(model: nn.Module, ctx: env.DistContext, **ddp_kwargs) -> nn.Module:
@@ -249,7 +216,7 @@ class Trainer:
         Each rank scores its :func:`~mgtutorial.data.eval_shard` with the unwrapped module (no DDP
         collectives), then one all-reduce sums (correct, loss, count) over ranks.
         """
-        module = self.model.module if isinstance(self.model, DDP) else self.model
+        module = models.unwrap(self.model)
         module.eval()
         shard = data.eval_shard(self.test_set, self.ctx.rank, self.ctx.world_size)
         sums = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)

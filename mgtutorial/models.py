@@ -108,3 +108,10 @@ class ArticleMLP(nn.Module):
 def count_parameters(model: nn.Module) -> int:
     """Number of scalar parameters of ``model``."""
     return sum(p.numel() for p in model.parameters())
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The network inside a data-parallel wrapper: ``model.module`` for DDP (chapter 02) and
+    :class:`~mgtutorial.collectives.FromScratchDDP` (chapter 03); the model itself otherwise (a plain
+    module, or one sharded in place by FSDP2's ``fully_shard``)."""
+    return model.module if isinstance(getattr(model, "module", None), nn.Module) else model

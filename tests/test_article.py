@@ -10,7 +10,7 @@ import pytest
 
 from mgtutorial import article as A
 from mgtutorial import launch
-from mgtutorial import pipeline as P
+from mgtutorial import model_parallel as MP
 from mgtutorial.launch import WorkerFailed
 from mgtutorial.models import ArticleCNN, cnn_flatten_size
 
@@ -92,5 +92,5 @@ def test_retain_graph_keeps_a_steps_activations_alive():
 
 @pytest.mark.timeout(60)
 def test_model_parallel_sample_is_whole_copies(runs, no_leftovers):
-    res = launch(P.article_worker, P.ArticleConfig(steps=3), 2, runs_dir=runs).wait(timeout=40)
-    assert res.values[0]["parameters"] == res.values[1]["parameters"] == P.models.count_parameters(P.models.ArticleMLP())
+    res = launch(MP.article_worker, MP.ArticleConfig(steps=3), 2, runs_dir=runs).wait(timeout=40)
+    assert res.values[0]["parameters"] == res.values[1]["parameters"] == MP.models.count_parameters(MP.models.ArticleMLP())

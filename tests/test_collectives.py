@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mgtutorial import collectives as C
+from mgtutorial import ddp_internals as DI
 from mgtutorial import ddp, env, launch, runlog
 from mgtutorial.launch import WorkerFailed
 
@@ -58,8 +59,8 @@ def test_from_scratch_equals_ddp_equals_single_process(runs, no_leftovers):
 @pytest.mark.timeout(120)
 def test_accumulation_syncs_once_per_step_and_equals_combined_data(runs, no_leftovers):
     k, ckpt = 3, runs / "accum.pt"
-    cfg = C.HooksConfig(accumulation_steps=k, checkpoint=str(ckpt), **COMMON)
-    run = launch(C.hooks_worker, cfg, 2, runs_dir=runs)
+    cfg = DI.HooksConfig(accumulation_steps=k, checkpoint=str(ckpt), **COMMON)
+    run = launch(DI.hooks_worker, cfg, 2, runs_dir=runs)
     run.wait(timeout=60)
     syncs = [r for r in runlog.read_run(run.run_dir) if r.get("kind") == "sync"]
     assert len(syncs) == 2 * COMMON["max_steps"]
@@ -70,7 +71,7 @@ def test_accumulation_syncs_once_per_step_and_equals_combined_data(runs, no_left
 
 @pytest.mark.timeout(60)
 def test_smaller_buckets_mean_more_allreduce_calls(runs, no_leftovers):
-    run = launch(C.hooks_worker, C.HooksConfig(bucket_cap_mb=0.5, **COMMON), 2, runs_dir=runs)
+    run = launch(DI.hooks_worker, DI.HooksConfig(bucket_cap_mb=0.5, **COMMON), 2, runs_dir=runs)
     run.wait(timeout=40)
     last = [r for r in runlog.read_run(run.run_dir) if r.get("kind") == "sync" and r["step"] == 4]
     n_params = sum(p.numel() for p in ddp.models.ArticleCNN().parameters())
@@ -82,10 +83,10 @@ def test_smaller_buckets_mean_more_allreduce_calls(runs, no_leftovers):
 def test_unused_parameter_fails_fast_and_flag_fixes_it(runs, no_leftovers):
     t0 = time.monotonic()
     with pytest.raises(WorkerFailed, match="find_unused_parameters=True"):
-        launch(C.pitfall_worker, C.PitfallConfig(unused_layer=True, timeout_s=600, **COMMON), 2,
+        launch(DI.pitfall_worker, DI.PitfallConfig(unused_layer=True, timeout_s=600, **COMMON), 2,
                runs_dir=runs).wait(timeout=40)
     assert time.monotonic() - t0 < 40
-    r = launch(C.pitfall_worker, C.PitfallConfig(unused_layer=True, find_unused_parameters=True, **COMMON), 2,
+    r = launch(DI.pitfall_worker, DI.PitfallConfig(unused_layer=True, find_unused_parameters=True, **COMMON), 2,
                runs_dir=runs).wait(timeout=40)
     assert r.values[0]["steps"] == COMMON["max_steps"]
 
@@ -93,8 +94,8 @@ def test_unused_parameter_fails_fast_and_flag_fixes_it(runs, no_leftovers):
 @pytest.mark.timeout(90)
 def test_uneven_inputs_time_out_and_join_finishes(runs, no_leftovers):
     timeout_s = 3
-    cfg = C.PitfallConfig(extra_batches_last_rank=2, timeout_s=timeout_s, **COMMON)
-    run = launch(C.pitfall_worker, cfg, 2, runs_dir=runs)
+    cfg = DI.PitfallConfig(extra_batches_last_rank=2, timeout_s=timeout_s, **COMMON)
+    run = launch(DI.pitfall_worker, cfg, 2, runs_dir=runs)
     # gloo words it "Timed out waiting …" or "Application timeout caused pair closure"
     with pytest.raises(WorkerFailed, match="(?i)timed out|timeout"):
         run.wait(timeout=60)
@@ -102,20 +103,20 @@ def test_uneven_inputs_time_out_and_join_finishes(runs, no_leftovers):
     assert [r["rank"] for r in loop_end] == [0]  # rank 1 never got past its extra step
     err = runlog.read_json(run.run_dir / f"rank{0}.error.json")
     assert err["time"] - loop_end[0]["time"] < timeout_s + 5
-    cfg = C.PitfallConfig(extra_batches_last_rank=2, use_join=True, timeout_s=timeout_s, **COMMON)
-    r = launch(C.pitfall_worker, cfg, 2, runs_dir=runs).wait(timeout=40)
+    cfg = DI.PitfallConfig(extra_batches_last_rank=2, use_join=True, timeout_s=timeout_s, **COMMON)
+    r = launch(DI.pitfall_worker, cfg, 2, runs_dir=runs).wait(timeout=40)
     assert r.values == {0: {"steps": 4}, 1: {"steps": 6}}
 
 
 def test_sync_batchnorm_refused_on_cpu_before_training():
     ctx = env.DistContext(0, 0, 2, "gloo", torch.device("cpu"), True)
     with pytest.raises(RuntimeError, match="SyncBatchNorm needs a CUDA GPU"):
-        C.apply_sync_batchnorm(torch.nn.BatchNorm2d(3), ctx)
+        DI.apply_sync_batchnorm(torch.nn.BatchNorm2d(3), ctx)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm needs 2 CUDA GPUs (NCCL)")
 @pytest.mark.timeout(120)
 def test_sync_batchnorm_on_gpus(runs, no_leftovers):
-    r = launch(C.sync_batchnorm_worker, C.BatchNormConfig(backend="nccl"), 2, runs_dir=runs).wait(timeout=90)
+    r = launch(DI.sync_batchnorm_worker, DI.BatchNormConfig(backend="nccl"), 2, runs_dir=runs).wait(timeout=90)
     for v in r.values.values():
         assert v["running_mean"] == pytest.approx([0.5] * 4, abs=0.01)

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from mgtutorial import launch, models, runlog
+from mgtutorial import model_parallel as MP
 from mgtutorial import pipeline as P
+from mgtutorial import timeline as T
 from mgtutorial.launch import WorkerFailed
 
 
@@ -78,7 +80,7 @@ def test_timeline_events_well_formed(schedule, runs, no_leftovers):
     run, res = _run(cfg, runs)
     recs = runlog.read_run(run.run_dir)
     for step in (1, 2):
-        evs = P.events(recs, step)
+        evs = T.events(recs, step)
         for s in range(p):
             mine = [e for e in evs if e["stage"] == s]
             assert [(e["event"], e["microbatch"]) for e in mine] == _expected_order(schedule, s, p, m)
@@ -87,7 +89,7 @@ def test_timeline_events_well_formed(schedule, runs, no_leftovers):
         for i in range(m):  # data dependencies hold in the real timestamps
             assert by[("forward", 1, i)]["start"] >= by[("forward", 0, i)]["end"]
             assert by[("backward", 0, i)]["start"] >= by[("backward", 1, i)]["end"] - 1e-3
-        assert 0 < P.bubble_measured(evs) < 1
+        assert 0 < T.bubble_measured(evs) < 1
 
 
 @pytest.mark.timeout(120)
@@ -114,7 +116,7 @@ def test_failing_stage_is_reported(runs, no_leftovers):
 
 @pytest.mark.timeout(60)
 def test_article_version_holds_whole_model_and_diverges(runs, no_leftovers):
-    run = launch(P.article_worker, P.ArticleConfig(steps=5), 2, runs_dir=runs)
+    run = launch(MP.article_worker, MP.ArticleConfig(steps=5), 2, runs_dir=runs)
     res = run.wait(timeout=40)
     whole = models.count_parameters(models.ArticleMLP())
     assert res.values == {0: {"parameters": whole}, 1: {"parameters": whole}}
@@ -124,7 +126,7 @@ def test_article_version_holds_whole_model_and_diverges(runs, no_leftovers):
 
 def test_naive_split_equals_unsplit_and_runs_one_stage_at_a_time():
     cfg = P.PipelineConfig(steps=3, batch_size=32)
-    model, evs = P.train_naive(cfg, [torch.device("cpu")] * 2)
+    model, evs = MP.train_naive(cfg, [torch.device("cpu")] * 2)
     ref, _ = P.unsplit_reference(cfg)
     got = torch.nn.Sequential(*model.stages).state_dict()
     want = torch.nn.Sequential(*ref.split(2)).state_dict()

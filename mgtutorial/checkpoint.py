@@ -1,0 +1,50 @@
+"""Checkpoints: the unwrapped model, the optimizer and the progress, written atomically by rank 0.
+
+Taught in notebooks/02_ddp.ipynb (save on rank 0, barrier, load with ``map_location``) and
+notebooks/05_scale_out.ipynb (mid-epoch snapshots for elastic restarts). Follows
+https://pytorch.org/tutorials/intermediate/ddp_tutorial.html#save-and-load-checkpoints and
+https://pytorch.org/docs/stable/generated/torch.load.html (``weights_only``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import models
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, epoch: int, step: int,
+                    batch: int = 0, samples: int = 0) -> None:
+    """Write the *unwrapped* model's state_dict, the optimizer's, and progress, atomically.
+
+    ``epoch`` is the number of completed epochs, ``step`` the global step, ``batch`` the batches
+    already done in epoch ``epoch`` (a mid-epoch snapshot; 0 at an epoch end), ``samples`` the
+    samples rank 0 has trained on so far. Saved to
+    ``path.tmp`` then renamed, so a crash never leaves half a file. Call on rank 0 only, then
+    ``barrier`` on every rank.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"model": models.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+             "epoch": epoch, "step": step, "batch": batch, "samples": samples}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None,
+                    device: torch.device | str = "cpu") -> dict:
+    """Load a :func:`save_checkpoint` file into ``model`` (strict) and ``optimizer``.
+
+    ``map_location=device`` puts tensors on this rank's device; ``weights_only=True`` refuses
+    arbitrary pickled code. Returns the checkpoint dict (``epoch``, ``step``).
+    """
+    state = torch.load(path, map_location=device, weights_only=True)
+    models.unwrap(model).load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return state

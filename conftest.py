@@ -24,10 +24,12 @@ def is_rank_cmdline(cmdline: list[str]) -> bool:
     Matches multiprocessing's spawned children (``spawn_main``), ``torchrun`` (or
     ``torch.distributed.run``) and anything with ``mgtutorial`` in its arguments. ``argv[0]`` is
     ignored for that last match because the interpreter's own path may contain the repository's
-    name. multiprocessing's ``resource_tracker`` lives as long as its parent and is not a rank.
+    name. multiprocessing's ``resource_tracker`` and fork server live as long as their parent and
+    are not ranks; a rank forked from the fork server has the server's command line, which
+    :func:`rank_descendants` tells apart by its parent.
     """
     text = " ".join(cmdline)
-    if "resource_tracker" in text:
+    if "resource_tracker" in text or "multiprocessing.forkserver" in text:
         return False
     if "spawn_main" in text or "torch.distributed.run" in text:
         return True
@@ -46,7 +48,8 @@ def rank_descendants(root: psutil.Process | None = None) -> list[psutil.Process]
         return found
     for p in children:
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and is_rank_cmdline(p.cmdline()):
+            forked = "multiprocessing.forkserver" in " ".join(p.parent().cmdline())
+            if p.status() != psutil.STATUS_ZOMBIE and (forked or is_rank_cmdline(p.cmdline())):
                 found.append(p)
         except psutil.Error:
             pass

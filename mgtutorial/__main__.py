@@ -75,11 +75,10 @@ def _run_under_torchrun(args, worker, cfg, name: str):
     if callable(getattr(cfg, "validate", None)):
         cfg.validate(env.world_size())
     summary = worker(cfg)
-    records = runlog.read_run(run_dir) if env.rank() == 0 else []
-    if any(r.get("kind") == "train" for r in records):
+    if env.rank() == 0:
         from . import live
 
-        (run_dir / "loss.png").write_bytes(live.figure_png(live.loss_figure(records, run_dir.name)))
+        live.save_loss_png(run_dir, runlog.read_run(run_dir))
     return run_dir, summary
 
 
@@ -105,7 +104,7 @@ def _run(args, worker, cfg, name: str, report) -> int:
             print(f"done in {result.duration_s:.1f} s: {report(summary)}")
             if (run_dir / "loss.png").exists():
                 print(f"loss curve: {run_dir / 'loss.png'}")
-    except (WorkerFailed, ValueError) as exc:
+    except (WorkerFailed, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -44,8 +44,8 @@ def _start_tensor(rank: int, size: int, device) -> torch.Tensor:
 def collectives_tour(cfg: TourConfig) -> list[dict]:
     """Run each collective once and log every rank's tensor before and after it.
 
-    Logs ``kind="collective"`` records: ``op``, ``before``, ``after`` (lists), plus ``waited_s``
-    for the barrier. Shapes: each rank starts with a ``(size,)`` tensor; all_gather's result is
+    Logs ``kind="collective"`` records: ``op``, ``before``, ``after`` (lists), plus ``entered``
+    (unix s) and ``waited_s`` for the barrier. Shapes: each rank starts with a ``(size,)`` tensor; all_gather's result is
     ``(world_size · size,)``; reduce_scatter's ``(size / world_size,)``.
 
     Raises:
@@ -89,7 +89,7 @@ def collectives_tour(cfg: TourConfig) -> list[dict]:
         t0 = time.time()
         dist.barrier()
         t = _start_tensor(r, cfg.size, dev)
-        record("barrier", t, t, waited_s=time.time() - t0)
+        record("barrier", t, t, entered=t0, waited_s=time.time() - t0)
         return records
 
 

@@ -38,6 +38,24 @@ def cifar10_on_disk(root: str | os.PathLike | None = None) -> bool:
     return (Path(root or data_root()) / "cifar-10-batches-py" / "data_batch_1").exists()
 
 
+def check_available(name: str, root: str | os.PathLike | None = None, download: bool = False) -> None:
+    """Refuse a data set that is neither on disk nor allowed to download (only CIFAR-10 can be).
+
+    Called by the configs' ``validate`` (before any rank starts) and by :func:`load_cifar10`.
+
+    Raises:
+        FileNotFoundError: the message says how to fetch it.
+    """
+    if name == "cifar10" and not download and not cifar10_on_disk(root):
+        raise FileNotFoundError(
+            f"CIFAR-10 is not in {Path(root or data_root())}. Fetch it once (170 MB) with\n"
+            "    python -m mgtutorial data cifar10\n"
+            "or pass download=True (--download on the command line); set MGTUTORIAL_DATA to keep it "
+            "elsewhere. "
+            "dataset='digits' (or 'auto') trains offline on real handwritten digits."
+        )
+
+
 def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """scikit-learn's handwritten digits as ``(3, 32, 32)`` images; a fixed stratified split.
 
@@ -68,14 +86,7 @@ def load_cifar10(root: str | os.PathLike | None = None, download: bool = False):
     from torchvision import transforms
 
     root = Path(root or data_root())
-    if not download and not cifar10_on_disk(root):
-        raise FileNotFoundError(
-            f"CIFAR-10 is not in {root}. Fetch it once (170 MB) with\n"
-            "    python -m mgtutorial data cifar10\n"
-            "or pass download=True (--download on the command line); set MGTUTORIAL_DATA to keep it "
-            "elsewhere. "
-            "dataset='digits' (or 'auto') trains offline on real handwritten digits."
-        )
+    check_available("cifar10", root, download)
     tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
     train = torchvision.datasets.CIFAR10(str(root), train=True, download=download, transform=tf)
     test = torchvision.datasets.CIFAR10(str(root), train=False, download=download, transform=tf)

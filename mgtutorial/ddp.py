@@ -77,7 +77,11 @@ class DDPConfig:
     (``TORCHELASTIC_RESTART_COUNT`` 0), so an elastic restart gets past it."""
 
     def validate(self, world_size: int) -> None:
-        """Called by :func:`mgtutorial.launch` before any process starts. Raises ValueError."""
+        """Called by :func:`mgtutorial.launch` before any process starts.
+
+        Raises:
+            ValueError: a value out of range. FileNotFoundError: CIFAR-10 asked for but not on disk.
+        """
         for name in ("epochs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1.")
@@ -87,7 +91,7 @@ class DDPConfig:
             raise ValueError(f"lr={self.lr}: the learning rate must be positive.")
         if self.fail_how not in ("raise", "sigkill"):
             raise ValueError(f"fail_how={self.fail_how!r} is not 'raise' or 'sigkill'.")
-        data.resolve_dataset(self.dataset, self.data_root)
+        data.check_available(data.resolve_dataset(self.dataset, self.data_root), self.data_root, self.download)
 
 
 def rank_loader(train_set, cfg: DDPConfig, rank: int, world_size: int, epoch: int = 0):
@@ -107,8 +111,7 @@ def log_step(log: runlog.RunLog, ctx: env.DistContext, *, step: int, epoch: int,
 
     Every rank must call it at every step (``global_loss`` is a collective).
     """
-    return log.write(kind="train", step=step, epoch=epoch, loss=loss,
-                     global_loss=env.global_mean(loss, ctx), samples=samples)
+    return log.train(step=step, epoch=epoch, loss=loss, global_loss=env.global_mean(loss, ctx), samples=samples)
 
 
 def apply_ddp(model: nn.Module, ctx: env.DistContext, **ddp_kwargs) -> nn.Module:
@@ -145,19 +148,17 @@ class Trainer:
     """
 
     def __init__(self, model, train_set, test_set, optimizer, ctx: env.DistContext, cfg: DDPConfig):
-        self.model, self.optimizer, self.ctx, self.cfg = model, optimizer, ctx, cfg
+        self.model, self.optimizer, self.ctx, self.cfg, self.test_set = model, optimizer, ctx, cfg, test_set
         self.loader = rank_loader(train_set, cfg, ctx.rank, ctx.world_size)
-        self.test_set = test_set
         self.loss_fn = nn.CrossEntropyLoss()
         self.log = runlog.RunLog()
         self.first_epoch, self.step, self.samples, self.skip = 0, 0, 0, 0
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.attempt = env.restart_count()
         if cfg.resume and cfg.checkpoint and Path(cfg.checkpoint).exists():
             state = load_checkpoint(cfg.checkpoint, model, optimizer, ctx.device)
             self.first_epoch, self.step, self.skip = state["epoch"], state["step"], state.get("batch", 0)
             self.samples = state.get("samples", 0)
-            self.log.write(kind="resume", step=self.step, epoch=self.first_epoch, batch=self.skip,
-                           attempt=self.attempt)
+            self.log.resume(step=self.step, epoch=self.first_epoch, batch=self.skip, attempt=self.attempt)
             ctx.print(f"resumed from {cfg.checkpoint}: {self.first_epoch} epoch(s) + {self.skip} batch(es), "
                       f"step {self.step}")
 
@@ -170,12 +171,11 @@ class Trainer:
     def _save(self, epoch: int, batch: int) -> None:
         if self.ctx.is_main:
             save_checkpoint(self.cfg.checkpoint, self.model, self.optimizer, epoch, self.step, batch, self.samples)
-            self.log.write(kind="checkpoint", step=self.step, epoch=epoch, batch=batch, path=str(self.cfg.checkpoint))
+            self.log.checkpoint(step=self.step, epoch=epoch, batch=batch, path=str(self.cfg.checkpoint))
         if self.ctx.initialized:
             torch.distributed.barrier()  # nobody reads the file before it is complete
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        self._inject_failure()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(x), y)
         loss.backward()  # DDP all-reduces (averages) the gradients here
@@ -197,8 +197,8 @@ class Trainer:
             if self._done():
                 break
             self.batches_done = batch + 1
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-            loss = self._run_batch(x, y)
+            self._inject_failure()
+            loss = self._run_batch(x.to(self.ctx.device), y.to(self.ctx.device))
             self.step += 1
             self.samples += len(y)
             total = log_step(self.log, self.ctx, step=self.step, epoch=epoch, loss=loss,
@@ -235,11 +235,13 @@ class Trainer:
         """Run the epochs (or ``max_steps``); log, evaluate, checkpoint. Returns a summary dict."""
         start, acc = time.time(), None
         epoch = self.first_epoch
+        total = self.cfg.epochs * len(self.loader)
+        self.log.plan(steps=min(total, self.cfg.max_steps or total))
         for epoch in range(self.first_epoch, self.cfg.epochs):
             loss = self._run_epoch(epoch)
             if self.cfg.evaluate:
                 acc, test_loss = self.evaluate()
-                self.log.write(kind="eval", step=self.step, epoch=epoch, test_acc=acc, test_loss=test_loss)
+                self.log.eval(step=self.step, epoch=epoch, test_acc=acc, test_loss=test_loss)
             self.ctx.print(f"epoch {epoch + 1}/{self.cfg.epochs}: step {self.step}, global loss "
                            f"{loss:.4f}" + (f", test accuracy {acc:.1%}" if acc is not None else ""))
             if self.cfg.checkpoint:
@@ -272,7 +274,7 @@ def combined_batch_reference(cfg: DDPConfig, world_size: int) -> nn.Module:
     DistributedSamplers give) as one batch of ``batch_size × world_size`` samples. With equal
     per-rank batches, the mean loss over that batch has the average of the ranks' gradients,
     which is what DDP's all-reduce computes, so the parameters must match DDP's after every step.
-    Runs ``cfg.max_steps`` steps (required) of epoch 0. Returns the trained model (CPU).
+    Runs ``cfg.max_steps`` steps (required: else ValueError) of epoch 0. Returns the trained model (CPU).
     """
     if cfg.max_steps is None:
         raise ValueError("combined_batch_reference needs cfg.max_steps.")

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from . import runlog
 
 BACKENDS = ("auto", "gloo", "nccl")
+BACKEND_ENV = "MGTUTORIAL_BACKEND"  # set by mgtutorial.launch: the backend it resolved for the job
 
 
 def _int_env(name: str, default: int) -> int:
@@ -54,6 +55,11 @@ def world_size() -> int:
 def local_world_size() -> int:
     """Ranks on this node from ``LOCAL_WORLD_SIZE`` (1 when unset)."""
     return _int_env("LOCAL_WORLD_SIZE", 1)
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted this job (``TORCHELASTIC_RESTART_COUNT``; 0: first attempt)."""
+    return _int_env("TORCHELASTIC_RESTART_COUNT", 0)
 
 
 def is_distributed_env() -> bool:
@@ -164,7 +170,8 @@ def distributed(backend: str = "auto", timeout_s: float = 120.0, num_threads: in
     process group, so the same worker code runs as a plain function.
 
     Args:
-        backend: "auto" | "gloo" | "nccl" (see :func:`resolve_backend`).
+        backend: "auto" | "gloo" | "nccl" (see :func:`resolve_backend`); "auto" is the backend
+            :func:`mgtutorial.launch` resolved for the job where it started the rank.
         timeout_s: collective timeout in seconds; a rank waiting longer for its peers raises.
         num_threads: CPU threads for this rank (see :func:`set_threads`).
 
@@ -175,7 +182,7 @@ def distributed(backend: str = "auto", timeout_s: float = 120.0, num_threads: in
     if not is_distributed_env():
         yield DistContext(0, 0, 1, "none", torch.device("cpu"), False)
         return
-    name = resolve_backend(backend)
+    name = resolve_backend(os.environ.get(BACKEND_ENV, "auto") if backend == "auto" else backend)
     device = device_for(name)
     # torch reads TORCH_DISTRIBUTED_DEBUG when it is imported, which in a spawned rank is before
     # the launcher's variables are in place: read it again now
@@ -187,7 +194,7 @@ def distributed(backend: str = "auto", timeout_s: float = 120.0, num_threads: in
     # outlives a restart: without a per-attempt prefix, restarted ranks read the dead ranks'
     # addresses and fail to connect. TORCHELASTIC_RESTART_COUNT separates the attempts.
     store, rank_, world = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"attempt_{_int_env('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    store = dist.PrefixStore(f"attempt_{restart_count()}", store)
     dist.init_process_group(
         backend=name,
         store=store,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import secrets
 import socket
@@ -26,10 +27,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import env, runlog
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+from . import _rank, env, runlog
 from ._rank import import_ref
 
 _FROM_RUN = ("Run", "RunResult", "WorkerFailed")
+START_METHOD_ENV = "MGTUTORIAL_START_METHOD"
 
 
 def __getattr__(name: str):
@@ -84,18 +88,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _check_port(port: int, host: str = "127.0.0.1") -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise ValueError(
-                f"master_port={port} on {host} is already in use ({exc.strerror}): another job or "
-                "process holds it. Pass master_port=None to let the launcher pick a free port, or "
-                "stop the process using it."
-            ) from None
-
-
 def _loopback_ifname() -> str:
     """Name of the network interface that holds 127.0.0.1 ("lo" on Linux, "lo0" on macOS)."""
     import psutil
@@ -104,6 +96,23 @@ def _loopback_ifname() -> str:
         if any(getattr(a, "address", None) == "127.0.0.1" for a in addrs):
             return name
     return "lo"
+
+
+def rank_processes() -> list[psutil.Process]:
+    """The live rank processes started from this process, by either start method: spawned ones
+    (``spawn_main`` in their command line) and those forked from the fork server (its children)."""
+    import psutil
+
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            parent = " ".join(p.parent().cmdline())
+            if p.status() != psutil.STATUS_ZOMBIE and ("spawn_main" in " ".join(p.cmdline())
+                                                        or "multiprocessing.forkserver" in parent):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
 
 
 def check_config(worker: Callable, cfg, nprocs: int, backend: str) -> tuple[str, str]:
@@ -138,6 +147,31 @@ def check_config(worker: Callable, cfg, nprocs: int, backend: str) -> tuple[str,
     return ref, chosen
 
 
+class _RankFiles(LogsSpecs):
+    """Put rank r's stdout/stderr at ``<run dir>/rank<r>.out|.err`` (flat, easy to find)."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(log_dir=str(run_dir))
+        self._dir = run_dir
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._dir)
+
+    def reify(self, envs):
+        n = len(envs)
+        for r in range(n):
+            # TorchElastic's own error file is not needed: ranks write rank<r>.error.json.
+            envs[r]["TORCHELASTIC_ERROR_FILE"] = os.devnull
+        return LogsDest(
+            stdouts={r: str(runlog.rank_file(self._dir, r, "out")) for r in range(n)},
+            stderrs={r: str(runlog.rank_file(self._dir, r, "err")) for r in range(n)},
+            tee_stdouts={},
+            tee_stderrs={},
+            error_files={r: os.devnull for r in range(n)},
+        )
+
+
 def launch(
     worker: Callable,
     cfg=None,
@@ -149,6 +183,7 @@ def launch(
     master_port: int | None = None,
     threads_per_rank: int | None = None,
     extra_env: dict[str, str] | None = None,
+    start_method: str | None = None,
 ) -> Run:
     """Start ``nprocs`` ranks running ``worker(cfg)``; return at once with a :class:`Run` handle.
 
@@ -157,41 +192,50 @@ def launch(
         cfg: a JSON-serialisable dataclass instance (written to ``<run dir>/config.json``).
         nprocs: number of ranks (world size), ≥ 1.
         backend: "auto" | "gloo" | "nccl"; default ``cfg.backend`` if it has one, else "auto".
-            Checked against the hardware here; the ranks resolve it the same way.
+            Checked against the hardware here; the ranks get the resolved one
+            (``MGTUTORIAL_BACKEND``, which :func:`mgtutorial.env.distributed` reads for "auto"),
+            and so does ``Run.backend``.
         runs_dir: parent folder of the run directory ``<runs_dir>/<name>-<time>-<id>``.
         name: prefix of the run directory (default: the worker's module name).
-        master_port: rendezvous TCP port on 127.0.0.1 (default: a free one).
+        master_port: the job's TCPStore port on 127.0.0.1 (default: one the OS picks).
         threads_per_rank: ``OMP_NUM_THREADS`` per rank (default: inherited, else 1).
         extra_env: more environment variables for every rank.
+        start_method: "forkserver" (default where the platform has it: ranks are forked from a
+            server that has imported torch, so only the first launch pays for that) or "spawn"
+            (a fresh interpreter per rank); default ``$MGTUTORIAL_START_METHOD`` if set.
 
     Raises:
-        ValueError, WorkerNotImportable, TypeError: see :func:`check_config`; a taken ``master_port``.
+        ValueError, WorkerNotImportable, TypeError: see :func:`check_config`; a taken ``master_port``;
+            an unknown ``start_method``.
     """
     if backend and getattr(cfg, "backend", backend) != backend:
         raise ValueError(f"backend={backend!r} but cfg.backend={cfg.backend!r}: the ranks use the config's; "
                          "set it there (or pass the same value).")
     backend = backend or getattr(cfg, "backend", None) or "auto"
     _refuse_in_spawned_child()
-    ref, _ = check_config(worker, cfg, nprocs, backend)
-    if master_port is None:
-        master_port = free_port()
-    else:
-        _check_port(master_port)
+    ref, chosen = check_config(worker, cfg, nprocs, backend)
+    method = _start_method(start_method)
+    listener = _listen(master_port)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_name = f"{name or ref.split(':')[0].rsplit('.', 1)[-1]}-{stamp}-{secrets.token_hex(2)}"
     run_dir = Path(runs_dir).resolve() / run_name
     run_dir.mkdir(parents=True, exist_ok=False)
-    runlog.write_config(run_dir, ref, nprocs, backend, cfg)
+    runlog.write_config(run_dir, ref, nprocs, chosen, cfg)
     base = {
+        **os.environ,  # the parent's environment *now*, not when the fork server started
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(master_port),
+        "MASTER_PORT": str(listener.getsockname()[1]),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the store is ours (see Run): every rank is a client
+        "TORCHELASTIC_RESTART_COUNT": "0",
         "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs),
         "GROUP_RANK": "0",
         "TORCHELASTIC_RUN_ID": run_name,
         runlog.RUN_DIR_ENV: str(run_dir),
+        env.BACKEND_ENV: chosen,
         "OMP_NUM_THREADS": str(threads_per_rank or os.environ.get("OMP_NUM_THREADS", "1")),
         "PYTHONUNBUFFERED": "1",
+        _rank.LAUNCHER_PID_ENV: str(os.getpid()),
     }
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         base["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
@@ -199,4 +243,39 @@ def launch(
     envs = {r: {**base, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nprocs)}
     from .run import Run
 
-    return Run(run_dir, ref, cfg, envs, backend, master_port)
+    return Run(run_dir, ref, cfg, envs, chosen, start_method=method, listener=listener)
+
+
+# What the fork server imports once, so that ranks forked from it start with torch loaded: torch and
+# the libraries a rank needs, never course or learner modules (those a rank imports itself, fresh).
+FORKSERVER_PRELOAD = (
+    "torch", "torch.distributed", "torch.distributed.elastic.multiprocessing.api", "torch.nn.parallel",
+    "torch.utils.data", "sklearn.datasets", "sklearn.model_selection",
+)
+
+
+def _start_method(requested: str | None) -> str:
+    method = requested or os.environ.get(START_METHOD_ENV) or (
+        "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method={method!r} is not 'forkserver' or 'spawn'.")
+    if method == "forkserver":
+        # takes effect when the server starts (the first forkserver launch of this process)
+        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return method
+
+
+def _listen(port: int | None) -> socket.socket:
+    """A TCP socket listening on 127.0.0.1 only, at ``port`` (None: one the OS picks)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("127.0.0.1", port or 0))
+    except OSError as exc:
+        s.close()
+        raise ValueError(
+            f"master_port={port} on 127.0.0.1 is already in use ({exc.strerror}): another job or "
+            "process holds it. Pass master_port=None to let the launcher pick a free port, or "
+            "stop the process using it."
+        ) from None
+    s.listen(256)
+    return s

@@ -10,6 +10,7 @@ themselves: a spawned process cannot draw into a notebook cell.
 from __future__ import annotations
 
 import io
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -70,13 +71,28 @@ def figure_png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
+def save_loss_png(run_dir: str | os.PathLike, records: list[dict], title: str | None = None) -> bytes | None:
+    """Write :func:`loss_figure` of ``records`` to ``<run_dir>/loss.png`` and return the PNG bytes;
+    None (and no file) when there is no ``train`` record to draw."""
+    if not runlog.of_kind(records, "train"):
+        return None
+    png = figure_png(loss_figure(records, title or Path(run_dir).name))
+    (Path(run_dir) / "loss.png").write_bytes(png)
+    return png
+
+
 def progress(records: list[dict], started: float | None = None) -> dict:
-    """Summary of the records so far: ``step`` (max over ranks), ``epoch``, ``global_loss`` (latest),
-    ``samples_per_s`` (all ranks together, between each rank's first and last record), ``test_acc``."""
+    """Summary of the records so far: ``step`` (max over ranks), ``total_steps`` (from the ``plan``
+    record; None before it), ``fraction`` (step / total_steps, or None), ``epoch``, ``global_loss``
+    (latest), ``samples_per_s`` (all ranks together, between each rank's first and last record),
+    ``test_acc``."""
     first: dict[int, dict] = {}
     last: dict[int, dict] = {}
-    out = {"step": 0, "epoch": 0, "global_loss": None, "samples_per_s": None, "test_acc": None}
+    out = {"step": 0, "total_steps": None, "fraction": None, "epoch": 0, "global_loss": None,
+           "samples_per_s": None, "test_acc": None}
     for rec in records:
+        if rec.get("kind") == "plan":
+            out["total_steps"] = rec["steps"]
         if rec.get("kind") == "train":
             first.setdefault(rec["rank"], rec)
             last[rec["rank"]] = rec
@@ -91,6 +107,8 @@ def progress(records: list[dict], started: float | None = None) -> dict:
         if dt > 0:
             rate += (rec["samples"] - first[r]["samples"]) / dt
     out["samples_per_s"] = rate or None
+    if out["total_steps"]:
+        out["fraction"] = out["step"] / out["total_steps"]
     return out
 
 
@@ -162,9 +180,7 @@ class LivePlot:
             for widget in (status, out, box):
                 widget.close()
             if self.reader.records:
-                fig = loss_figure(self.reader.records, self.title)
-                png = figure_png(fig)
-                (Path(self.run.run_dir) / "loss.png").write_bytes(png)
+                png = save_loss_png(self.run.run_dir, self.reader.records, self.title)
                 handle.update(Image(png))  # the saved notebook keeps a plain PNG, not a dead widget
                 print(_status(self.run, progress(self.reader.records)))
             else:
@@ -188,6 +204,9 @@ def follow_terminal(run, png: bool = True):
             finally:
                 reader.read_new()
                 prog = progress(reader.records)
+                if prog["total_steps"] and bar.total != prog["total_steps"]:
+                    bar.total = prog["total_steps"]  # the fraction done and the time left
+                    bar.refresh()
                 bar.update(prog["step"] - bar.n)
                 if prog["global_loss"] is not None:
                     bar.set_postfix(loss=f"{prog['global_loss']:.4f}", ranks=run.alive())
@@ -199,8 +218,8 @@ def follow_terminal(run, png: bool = True):
         raise
     finally:
         bar.close()
-        if png and any(r.get("kind") == "train" for r in reader.records):
-            (Path(run.run_dir) / "loss.png").write_bytes(figure_png(loss_figure(reader.records, run.run_dir.name)))
+        if png:
+            save_loss_png(run.run_dir, reader.records)
 
 
 def watch(run, interval: float = 1.0, title: str | None = None):

@@ -93,11 +93,7 @@ def train_naive(cfg: PipelineConfig, devices: list[torch.device] | None = None) 
     model = NaiveModelParallel(models.ArticleMLP(tuple(cfg.sizes)), devices or naive_devices())
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
 
-    class _Memory(list):
-        def write(self, **rec):
-            self.append(rec)
-
-    memory = _Memory()
+    memory = runlog.MemoryLog()
     timelines = [Timeline(st, i, memory) for i, st in enumerate(model.stages)]
     for step, (x, y) in enumerate(batches(cfg), start=1):
         for t in timelines:
@@ -106,5 +102,5 @@ def train_naive(cfg: PipelineConfig, devices: list[torch.device] | None = None) 
         out = model(x.to(model.devices[0]))
         nn.functional.cross_entropy(out, y.to(out.device)).backward()  # targets to the last device
         opt.step()
-    return model, list(memory)
+    return model, memory.records
 

@@ -196,6 +196,7 @@ def worker(cfg: PipelineConfig) -> dict:
             # part of the schedule, so the timeline leaves it out
             timeline.ignore_forwards = 1
         losses, peaks, times = [], [], []
+        log.plan(steps=cfg.steps)
         for step, (x, y) in enumerate(batches(cfg), start=1):
             if s == cfg.fail_stage and step == 2:
                 raise RuntimeError(f"injected failure in stage {s} at step {step}")
@@ -218,8 +219,7 @@ def worker(cfg: PipelineConfig) -> dict:
             peaks.append(timeline.memory.peak_bytes)
             if s == p - 1:
                 losses.append(loss)
-                log.write(kind="train", step=step, epoch=0, loss=loss, global_loss=loss,
-                          samples=step * cfg.batch_size)
+                log.train(step=step, epoch=0, loss=loss, global_loss=loss, samples=step * cfg.batch_size)
         if cfg.save_params:
             torch.save(module.state_dict(), runlog.run_dir() / f"stage{s}.pt")
         return {"stage": s, "losses": losses, "peak_activation_bytes": max(peaks), "step_times_s": times}

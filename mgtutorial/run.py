@@ -5,20 +5,21 @@ Taught in notebooks/00_setup.ipynb (a run, its files, its failure) and used by e
 Built on TorchElastic's process machinery (``torch.distributed.elastic.multiprocessing``,
 https://pytorch.org/docs/stable/elastic/multiprocessing.html), the code ``torchrun`` uses.
 
-Root cause: when one rank raises, its peers fail a moment later with "Connection closed by peer";
-which of them the process machinery notices first is a race. Each rank records its own error with
-a timestamp, and :class:`WorkerFailed` names the rank whose error is not a consequence of another's.
-A rank whose worker finished but whose process then died in interpreter teardown counts as finished
-(its result file is the proof), with a warning. Every rank is stopped on kernel interrupt, on
-interpreter exit and when the parent dies; no process is left behind.
+Root cause: when one rank fails, its peers fail a moment later ("Connection closed by peer"), and
+which of them the process machinery notices first is a race: :func:`root_cause` decides from the
+files the ranks wrote. A rank that finished and then died in interpreter teardown counts as
+finished (its result file is the proof), with a warning. Every rank is stopped on kernel
+interrupt, on interpreter exit and when the parent dies; no process is left behind.
 """
 
 from __future__ import annotations
 
 import atexit
+import datetime
 import logging
-import os
+import re
 import signal
+import socket
 import threading
 import time
 import warnings
@@ -28,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import start_processes
-from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
 from . import runlog
 from ._rank import run_worker
+from .launch import _RankFiles
 
 # TorchElastic logs every failure with a traceback of its own; we report the root cause instead.
 for _name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
@@ -82,53 +84,36 @@ class RunResult:
     duration_s: float = 0.0
 
 
-class _RankFiles(LogsSpecs):
-    """Put rank r's stdout/stderr at ``<run dir>/rank<r>.out|.err`` (flat, easy to find)."""
-
-    def __init__(self, run_dir: Path):
-        super().__init__(log_dir=str(run_dir))
-        self._dir = run_dir
-
-    @property
-    def root_log_dir(self) -> str:
-        return str(self._dir)
-
-    def reify(self, envs):
-        n = len(envs)
-        for r in range(n):
-            # TorchElastic's own error file is not needed: ranks write rank<r>.error.json.
-            envs[r]["TORCHELASTIC_ERROR_FILE"] = os.devnull
-        return LogsDest(
-            stdouts={r: str(self._dir / f"rank{r}.out") for r in range(n)},
-            stderrs={r: str(self._dir / f"rank{r}.err") for r in range(n)},
-            tee_stdouts={},
-            tee_stderrs={},
-            error_files={r: os.devnull for r in range(n)},
-        )
-
-
 class Run:
-    """Handle on a running job. Created by :func:`launch`.
+    """Handle on a running job. Created by :func:`mgtutorial.launch`.
 
-    Attributes: ``run_dir`` (Path), ``nprocs``, ``backend``, ``master_port``, ``status``
-    ("running" | "succeeded" | "failed" | "stopped"), ``started`` (unix s).
+    Attributes: ``run_dir`` (Path), ``nprocs``, ``backend`` (resolved: "gloo" | "nccl"),
+    ``start_method`` ("forkserver" | "spawn"), ``master_port``, ``status``
+    ("running" | "succeeded" | "failed" | "stopped"), ``started`` (unix s), ``pids`` (rank → pid).
+
+    The job's TCPStore (where ranks exchange addresses) lives in this process, on a socket bound to
+    127.0.0.1 only; every rank connects to it as a client, as ranks do to torchrun's agent store.
     """
 
-    def __init__(self, run_dir: Path, ref: str, cfg, envs: dict, backend: str, master_port: int):
+    def __init__(self, run_dir: Path, ref: str, cfg, envs: dict, backend: str, *, start_method: str,
+                 listener: socket.socket):
         self.run_dir, self.nprocs, self.backend = run_dir, len(envs), backend
-        self.master_port, self.started = master_port, time.time()
-        self.status = "running"
+        self.start_method, self.master_port = start_method, listener.getsockname()[1]
+        self.started, self.status = time.time(), "running"
         self._result: RunResult | None = None
         self._error: WorkerFailed | None = None
+        # the store takes the listening socket over (and closes it when it is deleted)
+        self._store = dist.TCPStore("127.0.0.1", self.master_port, None, True, datetime.timedelta(hours=1),
+                                    wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=True)
         saved = {s: signal.getsignal(s) for s in _HANDLED_SIGNALS}
         try:
             self._ctx = start_processes(
                 name=run_dir.name,
                 entrypoint=run_worker,
-                args={r: (ref, cfg) for r in range(self.nprocs)},
+                args={r: (ref, cfg, envs[r]) for r in range(self.nprocs)},
                 envs=envs,
                 logs_specs=_RankFiles(run_dir),
-                start_method="spawn",
+                start_method=start_method,
             )
         finally:
             # TorchElastic installs handlers that turn Ctrl-C into SignalException; the notebook's
@@ -144,7 +129,7 @@ class Run:
 
     def log_path(self, rank: int, stream: str = "err") -> Path:
         """Path of rank ``rank``'s ``"out"``, ``"err"`` or ``"jsonl"`` file."""
-        return self.run_dir / f"rank{rank}.{stream}"
+        return runlog.rank_file(self.run_dir, rank, stream)
 
     def alive(self) -> int:
         """Number of rank processes still running."""
@@ -163,7 +148,7 @@ class Run:
             raise RuntimeError(f"run {self.run_dir.name} was stopped before it finished.")
         return self._result
 
-    def wait(self, timeout: float | None = None, period: float = 0.1) -> RunResult:
+    def wait(self, timeout: float | None = None, period: float = 0.05) -> RunResult:
         """Block until every rank has finished; return a :class:`RunResult`.
 
         Interrupting (Ctrl-C / the notebook's stop button) stops every rank, then re-raises.
@@ -203,13 +188,19 @@ class Run:
         psutil.wait_procs(children, timeout=timeout)
         if self.status == "running":
             self.status = "stopped"
+        self._close()
+
+    def _close(self) -> None:
+        self._store = None  # closes the store's socket
         _ACTIVE.discard(self)
 
     def _finish(self, outcome) -> None:
-        procs = self._ctx._pc.processes if self._ctx._pc else []
-        exit_codes = {r: p.exitcode for r, p in enumerate(procs)}
+        # exit codes from TorchElastic's public result: 0 for ranks that returned, the code of the
+        # failure it saw, None where it saw none (a rank stopped after another had failed)
+        exit_codes = {r: 0 if r in outcome.return_values else None for r in range(self.nprocs)}
+        exit_codes.update({r: f.exitcode for r, f in outcome.failures.items()})
         self._ctx.close(death_sig=signal.SIGTERM, timeout=5)
-        results = {r: runlog.read_json(self.run_dir / f"rank{r}.result.json") for r in range(self.nprocs)}
+        results = {r: runlog.read_json(runlog.rank_file(self.run_dir, r, "result.json")) for r in range(self.nprocs)}
         if all(results.values()):
             if outcome.is_failed():
                 bad = {r: c for r, c in exit_codes.items() if c not in (0, None)}
@@ -232,30 +223,54 @@ class Run:
             )
         else:
             self.status = "failed"
-            self._error = self._root_cause(outcome, exit_codes)
-        _ACTIVE.discard(self)
+            self._error = root_cause(self.run_dir, self.nprocs, exit_codes)
+        self._close()
 
-    def _root_cause(self, outcome, exit_codes) -> WorkerFailed:
-        errors = [runlog.read_json(self.run_dir / f"rank{r}.error.json") for r in range(self.nprocs)]
-        errors = [e for e in errors if e]
-        if errors:
-            e = min(errors, key=lambda e: (e["secondary"], e["time"]))
-            return WorkerFailed(
-                e["rank"], e["type"], e["message"], self.log_path(e["rank"]), e["traceback"],
-                exit_codes.get(e["rank"]),
-            )
-        rank = next(iter(outcome.failures), 0) if outcome.failures else 0
-        code = exit_codes.get(rank)
-        how = (
-            f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
-            else f"exited with code {code}"
-        )
-        log = self.log_path(rank)
-        hint = "" if log.exists() else (
-            "; it died while starting up, before its log existed (its traceback is on the launching "
-            "terminal). From a script: is the launching code under `if __name__ == \"__main__\":`?")
-        return WorkerFailed(rank, "ProcessExited", f"the process {how} before reporting an error{hint}",
-                            log, "", code)
+
+def root_cause(run_dir: Path, nprocs: int, exit_codes: dict[int, int | None]) -> WorkerFailed:
+    """The rank whose failure started it all, from the files the ranks left in ``run_dir``.
+
+    In this order: the earliest error that is not a consequence of another rank's
+    (``secondary`` False in ``rank<r>.error.json``); else a rank that died without writing an
+    error or a result — killed by a signal (a crash in an extension, the kernel's OOM killer,
+    SIGKILL) or exiting while it started — preferring one whose exit code was seen, then one whose
+    log holds a "Fatal Python error" (:mod:`faulthandler`); else the earliest secondary error.
+    ``exit_codes``: rank → exit code where known (negative: killed by that signal).
+    """
+    errors = {r: e for r in range(nprocs) if (e := runlog.read_json(runlog.rank_file(run_dir, r, "error.json")))}
+    primary = [e for e in errors.values() if not e["secondary"]]
+    silent = [r for r in range(nprocs) if r not in errors and not runlog.rank_file(run_dir, r, "result.json").exists()]
+    if primary or (errors and not silent):
+        e = min(primary or errors.values(), key=lambda e: e["time"])
+        return WorkerFailed(e["rank"], e["type"], e["message"], runlog.rank_file(run_dir, e["rank"], "err"),
+                            e["traceback"], exit_codes.get(e["rank"]))
+    fatal = {r: _fatal_line(runlog.rank_file(run_dir, r, "err")) for r in silent}
+    rank = min(silent or [0], key=lambda r: (exit_codes.get(r) in (None, -signal.SIGTERM), not fatal.get(r), r))
+    code, log = exit_codes.get(rank), runlog.rank_file(run_dir, rank, "err")
+    if code is not None and code < 0:
+        how = f"was killed by signal {signal.Signals(-code).name}"
+    elif code is not None:
+        how = f"exited with code {code}"
+    elif fatal.get(rank):
+        how = f"was killed by signal {_FATAL.get(fatal[rank], '?')} ({fatal[rank]})"
+    else:
+        how = "was killed by a signal (most likely SIGKILL: the out-of-memory killer and `kill -9` leave no trace)"
+    hint = "" if log.exists() else (
+        "; it died while starting up, before its log existed (its traceback is on the launching "
+        "terminal). From a script: is the launching code under `if __name__ == \"__main__\":`?")
+    return WorkerFailed(rank, "ProcessExited", f"the process {how} without reporting an error{hint}", log, "", code)
+
+
+_FATAL = {"Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS", "Aborted": "SIGABRT",
+          "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}  # faulthandler's words
+
+
+def _fatal_line(path: Path) -> str:
+    try:
+        found = re.search(r"Fatal Python error: (.+)", path.read_text(errors="replace"))
+    except FileNotFoundError:
+        return ""
+    return found.group(1).strip() if found else ""
 
 
 def _is_running(pid: int) -> bool:

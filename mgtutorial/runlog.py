@@ -46,6 +46,12 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
+def rank_file(directory: str | os.PathLike, rank: int, suffix: str) -> Path:
+    """``<directory>/rank<rank>.<suffix>``: the one place the per-rank file names are made
+    (suffixes "jsonl", "out", "err", "error.json", "result.json")."""
+    return Path(directory) / f"rank{rank}.{suffix}"
+
+
 def _atomic_write_json(path: Path, obj) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, default=str))
@@ -63,7 +69,7 @@ class RunLog:
         self.rank = _rank() if rank is None else rank
         self.dir = Path(directory) if directory is not None else run_dir()
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / f"rank{self.rank}.jsonl"
+        self.path = rank_file(self.dir, self.rank, "jsonl")
         self._f = open(self.path, "a", buffering=1, encoding="utf-8")
 
     def write(self, **record) -> dict:
@@ -73,6 +79,40 @@ class RunLog:
         self._f.flush()
         return record
 
+    # The record schema: one writer per kind, called by every worker and relied on by every reader
+    # (mgtutorial.live, the figures, the notebooks). ``step`` counts optimizer steps from 1.
+
+    def train(self, *, step: int, epoch: int, loss: float, global_loss: float, samples: int, **extra) -> dict:
+        """``kind="train"``: this rank's ``loss`` at ``step``; ``global_loss``, the loss of the whole
+        job (the mean over ranks under data parallelism, the last stage's in a pipeline);
+        ``samples``, the samples this rank (the pipeline, for pipelines) has trained on so far."""
+        return self.write(kind="train", step=step, epoch=epoch, loss=loss, global_loss=global_loss,
+                          samples=samples, **extra)
+
+    def eval(self, *, step: int, epoch: int, test_acc: float, test_loss: float) -> dict:
+        """``kind="eval"``: test accuracy (0–1) and mean test loss after ``step``, epoch ``epoch``."""
+        return self.write(kind="eval", step=step, epoch=epoch, test_acc=test_acc, test_loss=test_loss)
+
+    def plan(self, *, steps: int) -> dict:
+        """``kind="plan"``: the optimizer steps this run will take in all (progress bars use it)."""
+        return self.write(kind="plan", steps=steps)
+
+    def checkpoint(self, *, step: int, epoch: int, batch: int, path: str) -> dict:
+        """``kind="checkpoint"``: a checkpoint written at ``step`` (``epoch`` epochs + ``batch``
+        batches done) to ``path``."""
+        return self.write(kind="checkpoint", step=step, epoch=epoch, batch=batch, path=path)
+
+    def resume(self, *, step: int, epoch: int, batch: int, attempt: int) -> dict:
+        """``kind="resume"``: training continues from a checkpoint, in restart ``attempt``."""
+        return self.write(kind="resume", step=step, epoch=epoch, batch=batch, attempt=attempt)
+
+    def event(self, *, event: str, start: float, end: float, stage: int, microbatch: int, step: int,
+              **extra) -> dict:
+        """``kind="event"``: one timeline box — a ``"forward"`` or ``"backward"`` of ``microbatch``
+        on ``stage`` from ``start`` to ``end`` (unix s), in ``step``."""
+        return self.write(kind="event", event=event, start=start, end=end, stage=stage,
+                          microbatch=microbatch, step=step, **extra)
+
     def close(self) -> None:
         self._f.close()
 
@@ -81,6 +121,22 @@ class RunLog:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class MemoryLog(RunLog):
+    """A :class:`RunLog` that keeps its records in ``records`` (a list) instead of a file: the same
+    schema for work done inside one process (chapter 04's naive split)."""
+
+    def __init__(self, rank: int = 0):
+        self.rank, self.records = rank, []
+
+    def write(self, **record) -> dict:
+        record = {"rank": self.rank, "time": time.time(), **record}
+        self.records.append(record)
+        return record
+
+    def close(self) -> None:
+        pass
 
 
 class LogReader:
@@ -134,6 +190,11 @@ class RunReader:
         return new
 
 
+def of_kind(records: list[dict], kind: str) -> list[dict]:
+    """The records of one kind (see the :class:`RunLog` writers), in their order."""
+    return [r for r in records if r.get("kind") == kind]
+
+
 def read_run(directory: str | os.PathLike) -> list[dict]:
     """All records of a finished run (every rank), in file order per rank."""
     reader = RunReader(directory)
@@ -154,7 +215,7 @@ def write_error(exc: BaseException, directory: str | os.PathLike | None = None) 
     """
     d = Path(directory) if directory is not None else run_dir()
     d.mkdir(parents=True, exist_ok=True)
-    path = d / f"rank{_rank()}.error.json"
+    path = rank_file(d, _rank(), "error.json")
     if path.exists():
         return path
     text = f"{type(exc).__name__}: {exc}"
@@ -186,7 +247,7 @@ def write_config(directory: str | os.PathLike, worker_ref: str, nprocs: int, bac
 def write_result(value, directory: str | os.PathLike | None = None) -> Path:
     """Record that this rank's worker returned, with its (JSON-able) return value."""
     d = Path(directory) if directory is not None else run_dir()
-    path = d / f"rank{_rank()}.result.json"
+    path = rank_file(d, _rank(), "result.json")
     _atomic_write_json(path, {"rank": _rank(), "time": time.time(), "value": value})
     return path
 

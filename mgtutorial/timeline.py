@@ -108,8 +108,8 @@ class Timeline:
         self.bwd += 1
 
     def _event(self, name: str, mb: int, start: float) -> None:
-        self.log.write(kind="event", event=name, start=start, end=time.time(), stage=self.stage,
-                       microbatch=mb, step=self.step, live_activation_bytes=self.memory.live_bytes)
+        self.log.event(event=name, start=start, end=time.time(), stage=self.stage, microbatch=mb,
+                       step=self.step, live_activation_bytes=self.memory.live_bytes)
 
 
 

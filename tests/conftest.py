@@ -7,13 +7,18 @@ import time
 import psutil
 import pytest
 
+_SERVICES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
 
 def rank_processes() -> list[psutil.Process]:
-    """Children of this test process that are not multiprocessing's resource tracker."""
+    """Children of this test process, ranks included, except multiprocessing's resource tracker and
+    fork server (which serve every launch of the session and end with it)."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" not in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+            cmd, parent = " ".join(p.cmdline()), " ".join(p.parent().cmdline())
+            service = any(s in cmd for s in _SERVICES) and not any(s in parent for s in _SERVICES)
+            if not service and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p)
         except psutil.Error:
             pass

@@ -56,3 +56,11 @@ def test_cli_bad_dataset_is_refused():
     out = subprocess.run([sys.executable, "-m", "mgtutorial", "ddp", "--dataset", "imagenet"],
                          capture_output=True, text=True, timeout=60, env=_env())
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_cli_refuses_missing_cifar10_before_any_rank(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "mgtutorial", "ddp", "--dataset", "cifar10", "--data-root",
+                          str(tmp_path / "none"), "--runs-dir", str(tmp_path / "runs")],
+                         capture_output=True, text=True, timeout=60, env=_env())
+    assert out.returncode == 1 and "CIFAR-10 is not in" in out.stderr and "python -m mgtutorial data cifar10" in out.stderr
+    assert not (tmp_path / "runs").exists()  # no run directory: no rank was started

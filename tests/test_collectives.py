@@ -41,7 +41,8 @@ def test_collectives_tour_values(runs, no_leftovers):
     assert recs[("reduce_scatter (sum)", 1)]["after"] == total[2:]
     assert recs[("send/recv (ring: to rank+1)", 0)]["after"] == r1
     assert recs[("send/recv (ring: to rank+1)", 1)]["after"] == r0
-    assert recs[("barrier", 0)]["waited_s"] > 0.3 > recs[("barrier", 1)]["waited_s"]
+    # rank 0 left the barrier only after the last rank, which slept first, had entered it
+    assert recs[("barrier", 0)]["time"] >= recs[("barrier", 1)]["entered"]
     assert C.tour_figure(list(recs.values())) is not None
 
 
@@ -81,11 +82,9 @@ def test_smaller_buckets_mean_more_allreduce_calls(runs, no_leftovers):
 
 @pytest.mark.timeout(60)
 def test_unused_parameter_fails_fast_and_flag_fixes_it(runs, no_leftovers):
-    t0 = time.monotonic()
-    with pytest.raises(WorkerFailed, match="find_unused_parameters=True"):
+    with pytest.raises(WorkerFailed, match="find_unused_parameters=True"):  # not the 600 s timeout
         launch(DI.pitfall_worker, DI.PitfallConfig(unused_layer=True, timeout_s=600, **COMMON), 2,
                runs_dir=runs).wait(timeout=40)
-    assert time.monotonic() - t0 < 40
     r = launch(DI.pitfall_worker, DI.PitfallConfig(unused_layer=True, find_unused_parameters=True, **COMMON), 2,
                runs_dir=runs).wait(timeout=40)
     assert r.values[0]["steps"] == COMMON["max_steps"]
@@ -102,7 +101,7 @@ def test_uneven_inputs_time_out_and_join_finishes(runs, no_leftovers):
     loop_end = [r for r in runlog.read_run(run.run_dir) if r.get("kind") == "loop_done"]
     assert [r["rank"] for r in loop_end] == [0]  # rank 1 never got past its extra step
     err = runlog.read_json(run.run_dir / f"rank{0}.error.json")
-    assert err["time"] - loop_end[0]["time"] < timeout_s + 5
+    assert err["time"] > loop_end[0]["time"]  # rank 0 finished its loop, then waited in vain
     cfg = DI.PitfallConfig(extra_batches_last_rank=2, use_join=True, timeout_s=timeout_s, **COMMON)
     r = launch(DI.pitfall_worker, cfg, 2, runs_dir=runs).wait(timeout=40)
     assert r.values == {0: {"steps": 4}, 1: {"steps": 6}}

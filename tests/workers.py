@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mgtutorial import ddp, env, runlog
 
@@ -20,6 +20,7 @@ class FixedLossConfig:
 
 def fixed_loss(cfg: FixedLossConfig) -> dict:
     with env.distributed() as ctx, runlog.RunLog() as log:
+        log.plan(steps=cfg.steps)
         for step in range(1, cfg.steps + 1):
             rec = ddp.log_step(log, ctx, step=step, epoch=0, loss=cfg.base + ctx.rank, samples=step)
         return rec
@@ -52,6 +53,47 @@ class AbortConfig:
 def finish_then_abort(cfg: AbortConfig) -> str:
     with env.distributed() as ctx:
         if ctx.rank == cfg.rank:
-            # SIGABRT shortly after the worker returned, like a crash while the process shuts down
-            threading.Timer(0.3, os.abort).start()
+            # SIGABRT once every rank's result is recorded, like a crash while the process shuts down
+            files = [runlog.run_dir() / f"rank{r}.result.json" for r in range(ctx.world_size)]
+            threading.Thread(target=_abort_when_recorded, args=(files,), daemon=True).start()
     return "done"
+
+
+def _abort_when_recorded(files) -> None:
+    while not all(f.exists() for f in files):
+        time.sleep(0.01)
+    os.abort()
+
+
+@dataclass(kw_only=True)
+class ProbeConfig:
+    """Names of the environment variables to report."""
+
+    names: list[str] = field(default_factory=list)
+
+
+def env_probe(cfg: ProbeConfig) -> dict:
+    """Reports the given environment variables (None: unset) and the backend of the process group."""
+    with env.distributed() as ctx:
+        return {"env": {n: os.environ.get(n) for n in cfg.names}, "backend": ctx.backend, "pid": os.getpid()}
+
+
+@dataclass(kw_only=True)
+class CrashConfig:
+    """Rank ``rank`` dies by ``signal_name`` right after an all-reduce, without a Python error."""
+
+    rank: int = 1
+    signal_name: str = "SIGSEGV"
+
+
+def crash_after_allreduce(cfg: CrashConfig) -> None:
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    with env.distributed() as ctx:
+        dist.all_reduce(torch.ones(1))
+        if ctx.rank == cfg.rank:
+            os.kill(os.getpid(), getattr(signal, cfg.signal_name))
+        dist.all_reduce(torch.ones(1))  # the peer waits here for the rank that died

@@ -11,13 +11,24 @@ Commands::
 ``ddp`` and ``pipeline`` started from a plain shell launches its own ranks (:func:`mgtutorial.launch`), shows
 progress and writes ``<run dir>/loss.png``. Under ``torchrun`` (``RANK`` is set) it *is* one rank
 and runs the worker directly, without launching again.
+
+The options of ``ddp``, ``pipeline`` and ``hello`` are generated from the worker's config dataclass
+(:class:`~mgtutorial.ddp.DDPConfig`, :class:`~mgtutorial.pipeline.PipelineConfig`,
+:class:`~mgtutorial.env.HelloConfig`): one ``--field-name`` per field, with its default and its
+docstring as help, so ``--help`` and the notebooks' configs never disagree.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
 import os
 import sys
+import textwrap
+import types
+import typing
 from pathlib import Path
 
 from . import data, ddp, env, pipeline, runlog
@@ -25,42 +36,58 @@ from .launch import launch
 from .run import WorkerFailed
 
 
-def _ddp_parser(sub) -> None:
-    p = sub.add_parser("ddp", help="DDP training of the article's CNN (chapter 02)")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--dataset", default="auto", choices=data.DATASETS)
-    p.add_argument("--data-root", default=None)
-    p.add_argument("--download", action="store_true", help="allow downloading CIFAR-10")
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--no-evaluate", action="store_true", help="skip the test-set accuracy at each epoch end")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", default=None, help="checkpoint file (saved by rank 0 each epoch)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="also snapshot every N steps (0: epoch ends only)")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
-    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
-    p.add_argument("--fail-rank", type=int, default=-1, help="fault injection: this rank fails (first attempt only)")
-    p.add_argument("--fail-step", type=int, default=-1, help="… at this step")
-    p.add_argument("--fail-how", default="raise", choices=["raise", "sigkill"])
-    _common_args(p)
+# Options whose names differ from their config field, and the allowed values of some fields.
+_ALIASES = {"timeout_s": ["--timeout"], "n_microbatches": ["--microbatches"]}
+_CHOICES = {"dataset": data.DATASETS, "backend": env.BACKENDS, "schedule": pipeline.SCHEDULES,
+            "fail_how": ("raise", "sigkill")}
 
 
-def _common_args(p) -> None:
+def field_docs(cls) -> dict[str, str]:
+    """Each dataclass field's docstring (the string literal under it), base classes first."""
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def add_config_options(p: argparse.ArgumentParser, cls) -> None:
+    """One option per field of the config dataclass ``cls``: ``--field-name`` with the field's type,
+    default and docstring; a bool that defaults to True becomes ``--no-field-name``."""
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        doc = docs.get(f.name, "").replace("%", "%%")
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            names = [f"--no-{flag[2:]}"] if default else [flag]
+            p.add_argument(*names, dest=f.name, action="store_false" if default else "store_true",
+                           help=f"{doc} On by default; this switch turns it off." if default else doc)
+            continue
+        args = typing.get_args(kind)
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next(a for a in args if a is not type(None))
+        extra = {"nargs": "+", "type": typing.get_args(kind)[0]} if typing.get_origin(kind) is list else {"type": kind}
+        p.add_argument(flag, *_ALIASES.get(f.name, []), dest=f.name, default=default, choices=_CHOICES.get(f.name),
+                       help=f"{doc} (default: %(default)s)", **extra)
+
+
+def _config_parser(sub, name: str, cls, help: str, func) -> None:
+    p = sub.add_parser(name, help=help, description=help)
+    add_config_options(p, cls)
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks to launch (default: one per GPU if ≥ 2 GPUs, else 2); ignored under torchrun")
-    p.add_argument("--backend", default="auto", choices=env.BACKENDS)
     p.add_argument("--runs-dir", default="runs", help="parent folder of run directories")
     p.add_argument("--run-name", default=None, help="under torchrun: run directory name")
+    p.set_defaults(func=func, config_class=cls)
 
 
-def _config(args) -> ddp.DDPConfig:
-    return ddp.DDPConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, dataset=args.dataset,
-                         data_root=args.data_root, download=args.download, max_steps=args.max_steps,
-                         backend=args.backend, seed=args.seed, checkpoint=args.checkpoint,
-                         resume=args.resume, evaluate=not args.no_evaluate,
-                         checkpoint_every=args.checkpoint_every, timeout_s=args.timeout,
-                         fail_rank=args.fail_rank, fail_step=args.fail_step, fail_how=args.fail_how)
+def _config(args):
+    return args.config_class(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args.config_class)})
 
 
 def _run_under_torchrun(args, worker, cfg, name: str):
@@ -134,34 +161,34 @@ def _run_data(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per worker, its options generated from the worker's config."""
     parser = argparse.ArgumentParser(prog="python -m mgtutorial", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    _ddp_parser(sub)
-    p = sub.add_parser("pipeline", help="pipeline-parallel training of the article's MLP, one stage per rank (chapter 04)")
-    p.add_argument("--schedule", default="1f1b", choices=pipeline.SCHEDULES)
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=64, help="per step, whole pipeline")
-    p.add_argument("--steps", type=int, default=4)
-    _common_args(p)
+    _config_parser(sub, "ddp", ddp.DDPConfig, "DDP training of the article's CNN (chapter 02)",
+                   lambda args: _run(args, ddp.worker, _config(args), "ddp", _ddp_report))
+    _config_parser(sub, "pipeline", pipeline.PipelineConfig,
+                   "pipeline-parallel training of the article's MLP, one stage per rank (chapter 04)",
+                   lambda args: _run(args, pipeline.worker, _config(args), "pipeline", _pipeline_report))
+    _config_parser(sub, "hello", env.HelloConfig,
+                   "each rank reports who it is and all-reduces its rank (chapters 00, 05)",
+                   lambda args: _run(args, env.hello, _config(args), "hello", _hello_report))
     p = sub.add_parser("data", help="fetch a dataset")
     p.add_argument("name", choices=["cifar10", "digits"])
     p.add_argument("--root", default=None, help="target folder (default $MGTUTORIAL_DATA or ~/.cache/mgtutorial/data)")
-    p = sub.add_parser("hello", help="each rank reports who it is and all-reduces its rank (chapters 00, 05)")
-    _common_args(p)
-    sub.add_parser("describe", help="hardware and the choices the course makes on it")
-    args = parser.parse_args(argv)
-    if args.command == "ddp":
-        return _run(args, ddp.worker, _config(args), "ddp", _ddp_report)
-    if args.command == "pipeline":
-        cfg = pipeline.PipelineConfig(schedule=args.schedule, n_microbatches=args.microbatches,
-                                      batch_size=args.batch_size, steps=args.steps, backend=args.backend)
-        return _run(args, pipeline.worker, cfg, "pipeline", _pipeline_report)
-    if args.command == "hello":
-        return _run(args, env.hello, env.HelloConfig(backend=args.backend), "hello", _hello_report)
-    if args.command == "data":
-        return _run_data(args)
+    p.set_defaults(func=_run_data)
+    p = sub.add_parser("describe", help="hardware and the choices the course makes on it")
+    p.set_defaults(func=_describe)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+def _describe(args) -> int:
     for key, value in env.describe().items():
         print(f"{key:>15}: {value}")
     return 0

@@ -250,6 +250,7 @@ def launch(
 # the libraries a rank needs, never course or learner modules (those a rank imports itself, fresh).
 FORKSERVER_PRELOAD = (
     "torch", "torch.distributed", "torch.distributed.elastic.multiprocessing.api", "torch.nn.parallel",
+    "torch._dynamo",  # DistributedDataParallel imports it when a model is wrapped: seconds per rank
     "torch.utils.data", "sklearn.datasets", "sklearn.model_selection",
 )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mgtutorial import runlog
+from mgtutorial import ddp, env, pipeline, runlog
+from mgtutorial.__main__ import _config, build_parser, field_docs
 
 ARGS = ["ddp", "--epochs", "1", "--max-steps", "6", "--dataset", "digits"]
 
@@ -64,3 +66,40 @@ def test_cli_refuses_missing_cifar10_before_any_rank(tmp_path):
                          capture_output=True, text=True, timeout=60, env=_env())
     assert out.returncode == 1 and "CIFAR-10 is not in" in out.stderr and "python -m mgtutorial data cifar10" in out.stderr
     assert not (tmp_path / "runs").exists()  # no run directory: no rank was started
+
+
+@pytest.mark.parametrize("command, cls", [("ddp", ddp.DDPConfig), ("pipeline", pipeline.PipelineConfig),
+                                          ("hello", env.HelloConfig)])
+def test_options_are_the_config_fields_with_their_defaults(command, cls):
+    args = build_parser().parse_args([command])
+    assert _config(args) == cls()  # every field, and the same defaults as the dataclass
+    for f in dataclasses.fields(cls):
+        assert field_docs(cls)[f.name], f"{cls.__name__}.{f.name} has no docstring for --help"
+
+
+def test_options_set_config_fields():
+    args = build_parser().parse_args(["ddp", "--no-evaluate", "--timeout", "5", "--max-steps", "3",
+                                      "--fail-how", "sigkill", "--resume"])
+    assert _config(args) == ddp.DDPConfig(evaluate=False, timeout_s=5.0, max_steps=3, fail_how="sigkill",
+                                          resume=True)
+    args = build_parser().parse_args(["pipeline", "--microbatches", "2", "--sizes", "8", "4", "2"])
+    assert _config(args) == pipeline.PipelineConfig(n_microbatches=2, sizes=[8, 4, 2])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv, expect", [
+    (["hello", "--nproc", "2"], "sum of ranks 1"),
+    (["pipeline", "--nproc", "2", "--steps", "2", "--batch-size", "16", "--sizes", "32", "16", "8"],
+     "stage 0 peak activations"),
+])
+def test_cli_hello_and_pipeline(argv, expect, runs, no_leftovers):
+    out = subprocess.run([sys.executable, "-m", "mgtutorial", *argv, "--runs-dir", str(runs)],
+                         capture_output=True, text=True, timeout=100, env=_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert expect in out.stdout
+
+
+def test_cli_describe():
+    out = subprocess.run([sys.executable, "-m", "mgtutorial", "describe"], capture_output=True, text=True,
+                         timeout=60, env=_env())
+    assert out.returncode == 0 and "backend: " in out.stdout and "default_nprocs: " in out.stdout

@@ -159,30 +159,28 @@ def apply_from_scratch_ddp(model: nn.Module, ctx: env.DistContext) -> nn.Module:
     return FromScratchDDP(model.to(ctx.device), ctx)
 
 
-def scratch_worker(cfg: ddp.DDPConfig) -> dict:
-    """:func:`mgtutorial.ddp.worker`'s training, with :class:`FromScratchDDP` instead of DDP.
+class ScratchTrainer(ddp.Trainer):
+    """:class:`~mgtutorial.ddp.Trainer` for a :class:`FromScratchDDP` model: the step all-reduces
+    the gradients itself, between ``backward`` and ``optimizer.step``."""
 
-    Trains ``cfg.max_steps`` steps of epoch 0 and saves the final parameters to ``cfg.checkpoint``
-    (rank 0). Returns {"steps", "allreduce_calls_per_step"}.
-    """
-    with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
-        model, train_set, _, optimizer = ddp.build(cfg, ctx, wrap=apply_from_scratch_ddp)
-        loader = ddp.rank_loader(train_set, cfg, ctx.rank, ctx.world_size)
-        loss_fn, calls, step = nn.CrossEntropyLoss(), 0, 0
-        for step, (x, y) in enumerate(loader, start=1):
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x.to(ctx.device)), y.to(ctx.device))
-            loss.backward()
-            calls = model.average_gradients()  # the line DDP does for you, during backward
-            optimizer.step()
-            ddp.log_step(log, ctx, step=step, epoch=0, loss=loss.item(), samples=step * len(y))
-            if step == cfg.max_steps:
-                break
-        if ctx.is_main and cfg.checkpoint:
-            ddp.save_checkpoint(cfg.checkpoint, model.module, optimizer, 1, step)
-        return {"steps": step, "allreduce_calls_per_step": calls}
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        self.calls = self.model.average_gradients()  # the line DDP does for you, during backward
+        self.optimizer.step()
+        return loss.item()
+
+
+def scratch_worker(cfg: ddp.DDPConfig) -> dict:
+    """:func:`mgtutorial.ddp.worker` with :class:`FromScratchDDP` instead of DDP, trained by
+    :class:`ScratchTrainer`. Returns the Trainer's summary plus ``allreduce_calls_per_step``."""
+    with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
+        model, train_set, test_set, optimizer = ddp.build(cfg, ctx, wrap=apply_from_scratch_ddp)
+        trainer = ScratchTrainer(model, train_set, test_set, optimizer, ctx, cfg)
+        return {**trainer.train(), "allreduce_calls_per_step": trainer.calls}
 
 
 __all__ = [
-    "FromScratchDDP", "TourConfig", "apply_from_scratch_ddp", "collectives_tour", "scratch_worker", "tour_figure",
+    "FromScratchDDP", "ScratchTrainer", "TourConfig", "apply_from_scratch_ddp", "collectives_tour", "scratch_worker", "tour_figure",
 ]

@@ -9,10 +9,7 @@ From the shell, one node, 2 ranks (gloo on CPU, NCCL with one GPU per rank)::
     python -m mgtutorial ddp --nproc 2 --epochs 2                   # launches its own ranks
     torchrun --standalone --nproc-per-node 2 -m mgtutorial ddp --epochs 2
 
-Two nodes (run on each, NODE_RANK = 0 and 1, HEAD = the first node's address)::
-
-    torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 4 \\
-             --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 -m mgtutorial ddp --epochs 2
+Several nodes: the same worker under ``torchrun --nnodes N ...`` (notebooks/05_scale_out.ipynb).
 """
 
 from __future__ import annotations
@@ -108,9 +105,7 @@ def rank_loader(train_set, cfg: DDPConfig, rank: int, world_size: int, epoch: in
 def log_step(log: runlog.RunLog, ctx: env.DistContext, *, step: int, epoch: int, loss: float,
              samples: int) -> dict:
     """Log one training step: this rank's ``loss`` and ``global_loss``, its all-reduced mean.
-
-    Every rank must call it at every step (``global_loss`` is a collective).
-    """
+    Every rank must call it at every step (``global_loss`` is a collective)."""
     return log.train(step=step, epoch=epoch, loss=loss, global_loss=env.global_mean(loss, ctx), samples=samples)
 
 
@@ -143,8 +138,10 @@ def build(cfg: DDPConfig, ctx: env.DistContext, wrap=apply_ddp, model_cls=models
 class Trainer:
     """Trains a (DDP-wrapped) model; every rank runs the same Trainer on its shard of the data.
 
-    Methods: ``_run_batch`` (one step), ``_run_epoch`` (calls ``sampler.set_epoch``), ``evaluate``,
-    public ``train``. Only rank 0 prints and saves.
+    Methods: ``_run_batch`` (one optimizer step), ``_run_epoch`` (calls ``sampler.set_epoch``),
+    ``_log_step`` (the per-step record), ``evaluate``, public ``train``. Chapters that change the
+    loop subclass it and override one of them (chapter 03). ``max_steps`` (optimizer steps) starts
+    as ``cfg.max_steps``. Only rank 0 prints and saves.
     """
 
     def __init__(self, model, train_set, test_set, optimizer, ctx: env.DistContext, cfg: DDPConfig):
@@ -152,7 +149,7 @@ class Trainer:
         self.loader = rank_loader(train_set, cfg, ctx.rank, ctx.world_size)
         self.loss_fn = nn.CrossEntropyLoss()
         self.log = runlog.RunLog()
-        self.first_epoch, self.step, self.samples, self.skip = 0, 0, 0, 0
+        self.first_epoch, self.step, self.samples, self.skip, self.max_steps = 0, 0, 0, 0, cfg.max_steps
         self.attempt = env.restart_count()
         if cfg.resume and cfg.checkpoint and Path(cfg.checkpoint).exists():
             state = load_checkpoint(cfg.checkpoint, model, optimizer, ctx.device)
@@ -183,7 +180,11 @@ class Trainer:
         return loss.item()
 
     def _done(self) -> bool:
-        return self.cfg.max_steps is not None and self.step >= self.cfg.max_steps
+        return self.max_steps is not None and self.step >= self.max_steps
+
+    def _log_step(self, epoch: int, loss: float) -> float:
+        """Log this step (every rank must call it: ``global_loss`` is an all-reduce); returns it."""
+        return log_step(self.log, self.ctx, step=self.step, epoch=epoch, loss=loss, samples=self.samples)["global_loss"]
 
     def _run_epoch(self, epoch: int) -> float:
         self.loader.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
@@ -201,8 +202,7 @@ class Trainer:
             loss = self._run_batch(x.to(self.ctx.device), y.to(self.ctx.device))
             self.step += 1
             self.samples += len(y)
-            total = log_step(self.log, self.ctx, step=self.step, epoch=epoch, loss=loss,
-                             samples=self.samples)["global_loss"]
+            total = self._log_step(epoch, loss)
             every = self.cfg.checkpoint_every
             if self.cfg.checkpoint and every and self.step % every == 0 and batch + 1 < len(self.loader):
                 self._save(epoch, batch + 1)
@@ -236,7 +236,7 @@ class Trainer:
         start, acc = time.time(), None
         epoch = self.first_epoch
         total = self.cfg.epochs * len(self.loader)
-        self.log.plan(steps=min(total, self.cfg.max_steps or total))
+        self.log.plan(steps=min(total, self.max_steps or total))
         for epoch in range(self.first_epoch, self.cfg.epochs):
             loss = self._run_epoch(epoch)
             if self.cfg.evaluate:
@@ -285,8 +285,7 @@ def combined_batch_reference(cfg: DDPConfig, world_size: int) -> nn.Module:
     for step, batches in enumerate(zip(*loaders)):
         if step >= cfg.max_steps:
             break
-        x = torch.cat([b[0] for b in batches])
-        y = torch.cat([b[1] for b in batches])
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         optimizer.step()

@@ -13,6 +13,7 @@ environment, so :func:`mgtutorial.launch` (the notebook) and ``torchrun`` run it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import ddp, env, models, runlog
+from . import ddp, env, models
 
 # ---------------------------------------------------------------------------------------------
 # 1. Buckets, communication hooks and gradient accumulation with no_sync
@@ -36,7 +37,13 @@ class HooksConfig(ddp.DDPConfig):
     bucket_cap_mb: float = 25.0
     """DDP's bucket size in MiB: gradients are all-reduced in buckets of about this size."""
     accumulation_steps: int = 1
-    """Micro-steps per optimizer step; all but the last run under ``no_sync`` (no communication)."""
+    """Micro-batches per optimizer step; all but the last run under ``no_sync`` (no communication)."""
+
+    def validate(self, world_size: int) -> None:
+        """:meth:`DDPConfig.validate` plus ``accumulation_steps`` ≥ 1. Raises ValueError."""
+        super().validate(world_size)
+        if self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={self.accumulation_steps}: need at least 1.")
 
 
 def counting_allreduce_hook(state, bucket):
@@ -52,44 +59,50 @@ def counting_allreduce_hook(state, bucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def hooks_worker(cfg: HooksConfig) -> dict:
-    """DDP with ``bucket_cap_mb`` and a counting comm hook; ``accumulation_steps`` micro-steps per
-    optimizer step, all but the last under ``model.no_sync()``.
+class AccumulationTrainer(ddp.Trainer):
+    """:class:`~mgtutorial.ddp.Trainer` whose step accumulates gradients over ``accumulation_steps``
+    micro-batches of ``cfg.batch_size`` (its loader deals ``batch_size × accumulation_steps``
+    samples per step), all but the last under ``model.no_sync()``; each micro-batch's loss is
+    divided by their number, so the gradient is the mean over all of them. ``max_steps`` counts
+    optimizer steps, as everywhere. Logs a ``kind="sync"`` record per step: ``allreduce_calls``,
+    ``bucket_sizes`` (elements), ``bucket_times``, ``backward_start`` and ``backward_end`` (unix s).
+    """
 
-    Each micro-batch is ``cfg.batch_size`` per rank; its loss is divided by ``accumulation_steps``
-    so the accumulated gradient is the mean over all micro-batches. Logs per optimizer step a
-    ``kind="sync"`` record: ``allreduce_calls``, ``bucket_sizes`` (elements), ``backward_start``,
-    ``backward_end`` and ``bucket_times`` (unix s). Saves the final parameters to ``cfg.checkpoint``.
+    def __init__(self, model, train_set, test_set, optimizer, ctx: env.DistContext, cfg: HooksConfig):
+        super().__init__(model, train_set, test_set, optimizer, ctx, cfg)
+        big = dataclasses.replace(cfg, batch_size=cfg.batch_size * cfg.accumulation_steps)
+        self.loader = ddp.rank_loader(train_set, big, ctx.rank, ctx.world_size)
+        self.buckets = {"buckets": []}
+        model.register_comm_hook(self.buckets, counting_allreduce_hook)
+
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.buckets["buckets"].clear()
+        k, total, t0 = self.cfg.accumulation_steps, 0.0, time.time()
+        for micro, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            with self.model.no_sync() if micro < k - 1 else contextlib.nullcontext():
+                loss = self.loss_fn(self.model(xm), ym) / k
+                loss.backward()  # DDP all-reduces only in the last micro-batch's backward
+            total += loss.item()
+        t1 = time.time()
+        self.optimizer.step()
+        b = self.buckets["buckets"]
+        self.log.write(kind="sync", step=self.step + 1, allreduce_calls=len(b), bucket_sizes=[s[1] for s in b],
+                       bucket_times=[s[2] for s in b], backward_start=t0, backward_end=t1)
+        return total
+
+
+def hooks_worker(cfg: HooksConfig) -> dict:
+    """DDP with ``bucket_cap_mb`` and :func:`counting_allreduce_hook`, trained by
+    :class:`AccumulationTrainer`. Returns the Trainer's summary.
 
     Raises:
-        ValueError: ``accumulation_steps`` < 1.
+        ValueError: ``accumulation_steps`` < 1 (``cfg.validate``, called before any rank starts).
     """
-    if cfg.accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps={cfg.accumulation_steps}: need at least 1.")
-    with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
+    with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
         wrap = functools.partial(ddp.apply_ddp, bucket_cap_mb=cfg.bucket_cap_mb)
-        model, train_set, _, optimizer = ddp.build(cfg, ctx, wrap=wrap)
-        state = {"buckets": []}
-        model.register_comm_hook(state, counting_allreduce_hook)
-        loader = ddp.rank_loader(train_set, cfg, ctx.rank, ctx.world_size)
-        loss_fn, k, batches = nn.CrossEntropyLoss(), cfg.accumulation_steps, iter(loader)
-        for step in range(1, (cfg.max_steps or 1) + 1):
-            optimizer.zero_grad(set_to_none=True)
-            state["buckets"].clear()
-            t0 = time.time()
-            for micro in range(k):
-                x, y = next(batches)
-                last = micro == k - 1
-                with (model.no_sync() if not last else contextlib.nullcontext()):
-                    (loss_fn(model(x.to(ctx.device)), y.to(ctx.device)) / k).backward()
-            t1 = time.time()
-            optimizer.step()
-            log.write(kind="sync", step=step, allreduce_calls=len(state["buckets"]),
-                      bucket_sizes=[b[1] for b in state["buckets"]], bucket_times=[b[2] for b in state["buckets"]],
-                      backward_start=t0, backward_end=t1)
-        if ctx.is_main and cfg.checkpoint:
-            ddp.save_checkpoint(cfg.checkpoint, model, optimizer, 1, step)
-        return {"steps": step, "allreduce_calls_last_step": len(state["buckets"])}
+        model, train_set, test_set, optimizer = ddp.build(cfg, ctx, wrap=wrap)
+        return AccumulationTrainer(model, train_set, test_set, optimizer, ctx, cfg).train()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,35 +131,41 @@ class PitfallConfig(ddp.DDPConfig):
     """Wrap the loop in ``Join([model])`` so ranks that run out of data shadow the others' all-reduces."""
 
 
-def pitfall_worker(cfg: PitfallConfig) -> dict:
-    """DDP training with the chosen pitfall switched on (see :class:`PitfallConfig`).
+class PitfallTrainer(ddp.Trainer):
+    """:class:`~mgtutorial.ddp.Trainer` for :class:`PitfallConfig`: the last rank trains
+    ``extra_batches_last_rank`` more steps; the epoch runs inside ``Join([model])`` if
+    ``use_join``. Logs only local losses (``kind="train_local"``): the all-reduced loss of every
+    step is itself a collective that ``Join`` does not cover. Logs ``kind="loop_done"`` after the loop.
+    """
 
-    Every rank trains ``cfg.max_steps`` batches (the last rank ``extra_batches_last_rank`` more);
-    only local losses are logged, since a per-step all-reduce of the loss is itself a collective
-    that ``Join`` does not cover. Returns {"steps"}.
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.ctx.rank == self.ctx.world_size - 1:
+            self.max_steps = (self.max_steps or 4) + self.cfg.extra_batches_last_rank
+
+    def _log_step(self, epoch: int, loss: float) -> float:
+        return self.log.write(kind="train_local", step=self.step, epoch=epoch, loss=loss)["loss"]
+
+    def _run_epoch(self, epoch: int) -> float:
+        with Join([self.model]) if self.cfg.use_join else contextlib.nullcontext():
+            loss = super()._run_epoch(epoch)
+        self.log.write(kind="loop_done", step=self.step)
+        return loss
+
+
+def pitfall_worker(cfg: PitfallConfig) -> dict:
+    """DDP training with the chosen pitfall switched on (see :class:`PitfallConfig`), trained by
+    :class:`PitfallTrainer`. Returns {"steps"}.
 
     Raises (in the ranks, surfacing as WorkerFailed): DDP's "Expected to have finished reduction"
     error for an unused layer without ``find_unused_parameters``; a collective timeout for uneven
     inputs without ``Join``.
     """
     model_cls = CNNWithUnusedHead if cfg.unused_layer else models.ArticleCNN
-    with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
+    with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
         wrap = functools.partial(ddp.apply_ddp, find_unused_parameters=cfg.find_unused_parameters)
-        model, train_set, _, optimizer = ddp.build(cfg, ctx, wrap=wrap, model_cls=model_cls)
-        loader = ddp.rank_loader(train_set, cfg, ctx.rank, ctx.world_size)
-        steps = (cfg.max_steps or 4) + (cfg.extra_batches_last_rank if ctx.rank == ctx.world_size - 1 else 0)
-        loss_fn, step = nn.CrossEntropyLoss(), 0
-        with Join([model]) if cfg.use_join else contextlib.nullcontext():
-            for step, (x, y) in enumerate(loader, start=1):
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(model(x.to(ctx.device)), y.to(ctx.device))
-                loss.backward()
-                optimizer.step()
-                log.write(kind="train_local", step=step, epoch=0, loss=loss.item())
-                if step == steps:
-                    break
-        log.write(kind="loop_done", step=step)
-        return {"steps": step}
+        model, train_set, test_set, optimizer = ddp.build(cfg, ctx, wrap=wrap, model_cls=model_cls)
+        return {"steps": PitfallTrainer(model, train_set, test_set, optimizer, ctx, cfg).train()["steps"]}
 
 
 def apply_sync_batchnorm(model: nn.Module, ctx: env.DistContext) -> nn.Module:
@@ -194,6 +213,6 @@ def sync_batchnorm_worker(cfg: BatchNormConfig) -> dict:
 
 
 __all__ = [
-    "BatchNormConfig", "CNNWithUnusedHead", "HooksConfig", "PitfallConfig", "apply_sync_batchnorm",
+    "AccumulationTrainer", "BatchNormConfig", "CNNWithUnusedHead", "HooksConfig", "PitfallConfig", "PitfallTrainer", "apply_sync_batchnorm",
     "counting_allreduce_hook", "hooks_worker", "pitfall_worker", "sync_batchnorm_worker",
 ]

@@ -1,0 +1,47 @@
+"""Every ``validate()`` refusal: a clear error naming the value, before any rank starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from mgtutorial import ddp, launch, runlog
+from mgtutorial import ddp_internals as DI
+from mgtutorial import pipeline as P
+
+
+@pytest.mark.parametrize("cfg, error, match", [
+    (ddp.DDPConfig(epochs=0), ValueError, "epochs=0: must be at least 1"),
+    (ddp.DDPConfig(batch_size=0), ValueError, "batch_size=0: must be at least 1"),
+    (ddp.DDPConfig(max_steps=0), ValueError, "max_steps=0: must be at least 1"),
+    (ddp.DDPConfig(lr=0), ValueError, "lr=0: the learning rate must be positive"),
+    (ddp.DDPConfig(fail_how="segfault"), ValueError, "fail_how='segfault' is not 'raise' or 'sigkill'"),
+    (ddp.DDPConfig(dataset="imagenet"), ValueError, "dataset='imagenet' is not one of"),
+    (ddp.DDPConfig(dataset="cifar10", data_root="/nonexistent"), FileNotFoundError, "CIFAR-10 is not in /nonexistent"),
+    (DI.HooksConfig(accumulation_steps=0), ValueError, "accumulation_steps=0: need at least 1"),
+    (DI.HooksConfig(lr=-1), ValueError, "lr=-1"),  # the base class's checks still apply
+    (P.PipelineConfig(schedule="zb"), ValueError, "schedule='zb' is not one of"),
+    (P.PipelineConfig(n_microbatches=0), ValueError, "n_microbatches=0 must be between 1 and batch_size=64"),
+    (P.PipelineConfig(batch_size=30, n_microbatches=4), ValueError, "batch_size=30 is not divisible by n_microbatches=4"),
+    (P.PipelineConfig(schedule="1f1b", n_microbatches=1), ValueError, r"1F1B needs n_microbatches ≥ stages: 1 < 2"),
+    (P.PipelineConfig(sizes=[8, 4]), ValueError, "2 stages but the MLP has only 1 sub-networks"),
+])
+def test_validate_refuses(cfg, error, match):
+    with pytest.raises(error, match=match):
+        cfg.validate(2)
+
+
+def test_refusal_comes_before_any_rank(runs):
+    with pytest.raises(ValueError, match="accumulation_steps=0"):
+        launch(DI.hooks_worker, DI.HooksConfig(accumulation_steps=0), 2, runs_dir=runs)
+    assert not list(runs.iterdir())
+
+
+@pytest.mark.timeout(120)
+def test_accumulation_past_an_epoch_goes_on_into_the_next(runs, no_leftovers):
+    # 256 synthetic samples, 2 ranks: 128 per rank = 5⅓ steps of 3 × 8; 8 steps need a second epoch
+    cfg = DI.HooksConfig(dataset="synthetic", batch_size=8, accumulation_steps=3, max_steps=8, evaluate=False)
+    result = launch(DI.hooks_worker, cfg, 2, runs_dir=runs).wait(timeout=100)
+    assert {r: v["steps"] for r, v in result.values.items()} == {0: 8, 1: 8}
+    syncs = runlog.of_kind(runlog.read_run(result.run_dir), "sync")
+    assert [s["step"] for s in syncs if s["rank"] == 0] == list(range(1, 9))
+    assert {s["allreduce_calls"] for s in syncs} == {1}

@@ -4,9 +4,12 @@ every chapter starts processes.
 Taught in notebooks/00_setup.ipynb; used by every chapter.
 Built on TorchElastic's process machinery (``torch.distributed.elastic.multiprocessing.start_processes``,
 https://pytorch.org/docs/stable/elastic/multiprocessing.html), the same code ``torchrun`` uses,
-with the *spawn* start method. Each rank gets the torchrun environment (RANK, LOCAL_RANK,
-WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT), so a worker runs unchanged under
-``torchrun``.
+with the *forkserver* start method (``multiprocessing.set_forkserver_preload``,
+https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods): the server
+imports torch once (:data:`FORKSERVER_PRELOAD`), never course or learner modules, and every rank
+is forked from it; *spawn* is the option and the fallback. Each rank gets the launcher's current
+environment plus the torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR=127.0.0.1, MASTER_PORT), so a worker runs unchanged under ``torchrun``.
 
 Checks before any process starts: ``nprocs`` ≥ 1, backend vs hardware, the worker and its config
 importable by a child (not defined in a notebook or ``__main__``), the config's own ``validate``, a

@@ -55,6 +55,7 @@ def test_ranks_fork_from_a_server_without_course_modules(runs, no_leftovers):
     assert len(server) == 1
     preload = " ".join(server[0].cmdline())
     assert "torch" in preload and "mgtutorial" not in preload and "workers" not in preload
+    assert server[0].num_threads() == 1  # no thread pool was started there: forking it is safe
     assert not pids & {p.pid for p in rank_processes()}  # and the ranks are gone
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.testing import assert_close
 
-from . import env
+from . import ddp, env, runlog
 from . import tensor_parallel as tp
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -234,8 +234,8 @@ def _runs(indices: list[int]) -> list[list[int]]:
 
 
 def shard_layout(module) -> dict:
-    """Which elements of each parameter this rank holds: {name: {"rows": runs, "cols": runs}}, runs
-    of global indices ``[first, last]``. Found by sharding an index tensor like the parameter."""
+    """Which elements of each parameter this rank holds: {name: {"rows", "cols", "placements"}}, rows
+    and cols as runs of global indices ``[first, last]``, found by sharding an index tensor like it."""
     from torch.distributed.tensor import distribute_tensor
 
     layout = {}
@@ -245,7 +245,8 @@ def shard_layout(module) -> dict:
                  if hasattr(p, "placements") else index).long().cpu()
         cols = p.shape[1] if p.dim() == 2 else 1
         layout[name] = {"rows": _runs(sorted(set((local // cols).flatten().tolist()))),
-                        "cols": _runs(sorted(set((local % cols).flatten().tolist())))}
+                        "cols": _runs(sorted(set((local % cols).flatten().tolist()))),
+                        "placements": [repr(pl) for pl in getattr(p, "placements", ())]}
     return layout
 
 
@@ -256,7 +257,6 @@ def mesh_worker(cfg: MeshConfig) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from . import ddp, runlog
     from .tensor_parallel_pitfalls import clip_grad_norm
 
     with env.distributed(cfg.backend) as ctx, runlog.RunLog() as log:

@@ -133,9 +133,8 @@ def worker(cfg: TPConfig) -> dict:
         r, n = ctx.rank, ctx.world_size
         check(cfg, n)
         env.seed_everything(cfg.seed)
-        ref = tp.Block(cfg.h, cfg.n_heads, cfg.ffn)
-        x, dy = _inputs(cfg)
-        results = {}
+        ref = tp.Block(cfg.h, cfg.n_heads, cfg.ffn).to(ctx.device)
+        (x, dy), results = (t.to(ctx.device) for t in _inputs(cfg)), {}
 
         def hand(name, unsplit, split):
             want, want_dx, _ = _run(unsplit, x, dy)
@@ -160,11 +159,11 @@ def worker(cfg: TPConfig) -> dict:
             block = tp.apply_tp(copy.deepcopy(ref), mesh, sp, prepare)
             block.zero_grad()
             part = (lambda t: t.chunk(n, dim=1)[r]) if sp else (lambda t: t)
-            out, dx, c = _run(block, part(x).to(ctx.device), part(dy).to(ctx.device))
-            pairs = [(out.cpu(), part(want)), (dx.cpu(), part(want_dx))] + [
-                (_full(p.grad).cpu(), ref.get_parameter(k).grad) for k, p in block.named_parameters()]
+            out, dx, c = _run(block, part(x), part(dy))
+            pairs = [(out, part(want)), (dx, part(want_dx))] + [
+                (_full(p.grad), ref.get_parameter(k).grad) for k, p in block.named_parameters()]
             if not sp:
-                pairs.append((out.cpu(), hand_out))
+                pairs.append((out, hand_out))
             for a, b in pairs:
                 assert_close(a, b, **TOL)
             results[name] = {"counts": c, "max_diff": _max_diff(pairs)}

@@ -35,7 +35,7 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
 
 def dropout(x: torch.Tensor, p: float, generator: torch.Generator) -> torch.Tensor:
     """Inverted dropout whose mask comes from ``generator`` (so the seed that drew it is explicit)."""
-    return x * (torch.rand(x.shape, generator=generator) >= p).to(x.dtype) / (1 - p)
+    return x * (torch.rand(x.shape, generator=generator, device=x.device) >= p).to(x.dtype) / (1 - p)
 
 
 def _error(fn, *args) -> str | None:
@@ -54,7 +54,7 @@ def _gathered(t: torch.Tensor, n: int) -> list[torch.Tensor]:
 
 
 def pitfall_worker(cfg: TPConfig) -> dict:
-    """Each pitfall, then its fix, on a 1-D TP mesh over all ranks (CPU tensors).
+    """Each pitfall, then its fix, on a 1-D TP mesh over all ranks.
 
     Returns {"forgot_heads": error, "clip_error": error, "clip_norm_diff": |fixed norm − unsplit|,
     "foreach_error": error, "for_loop_param_diff": max |param − unsplit| after one SGD step,
@@ -68,9 +68,10 @@ def pitfall_worker(cfg: TPConfig) -> dict:
     with env.distributed(cfg.backend) as ctx:
         r, n = ctx.rank, ctx.world_size
         check(cfg, n)
-        mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+        dev = ctx.device
+        mesh = init_device_mesh(dev.type, (n,), mesh_dim_names=("tp",))
         env.seed_everything(cfg.seed)
-        ref, (x, dy) = tp.Block(cfg.h, cfg.n_heads, cfg.ffn), _inputs(cfg)
+        ref, (x, dy) = tp.Block(cfg.h, cfg.n_heads, cfg.ffn).to(dev), (t.to(dev) for t in _inputs(cfg))
         block = copy.deepcopy(ref)
         parallelize_module(block, mesh, tp.tp_plan())
         out = {"forgot_heads": _error(block, x)}  # still reshapes into all n_heads heads
@@ -85,13 +86,13 @@ def pitfall_worker(cfg: TPConfig) -> dict:
             torch.optim.SGD(m.parameters(), lr=0.1, foreach=False).step()
         out["for_loop_param_diff"] = max(float((_full(p) - q).abs().max())
                                          for p, q in zip(block.parameters(), ref.parameters()))
-        rep, shard = torch.ones(cfg.batch, cfg.seq, cfg.h), torch.ones(cfg.batch, cfg.seq, cfg.ffn // n)
+        rep, shard = (torch.ones(cfg.batch, cfg.seq, w, device=dev) for w in (cfg.h, cfg.ffn // n))
         drop = {}
         for name, seed in (("per_rank_seed", cfg.seed + r), ("shared_seed", cfg.seed)):
-            parts = _gathered(dropout(rep, 0.5, torch.Generator().manual_seed(seed)), n)
+            parts = _gathered(dropout(rep, 0.5, torch.Generator(dev).manual_seed(seed)), n)
             drop[f"replicated_diff_{name}"] = max(float((p - parts[0]).abs().max()) for p in parts)
         for name, seed in (("shared_seed", cfg.seed), ("per_rank_seed", cfg.seed + 2718 + r)):
-            parts = _gathered(dropout(shard, 0.5, torch.Generator().manual_seed(seed)), n)
+            parts = _gathered(dropout(shard, 0.5, torch.Generator(dev).manual_seed(seed)), n)
             drop[f"sharded_agree_{name}"] = float((parts[0] == parts[-1]).float().mean())
         out["dropout"] = drop
         return out

@@ -1,13 +1,12 @@
 """Tensor parallelism on device meshes: the 1-D checks (hand split, DTensor plans, sequence
-parallelism, every collective counted), a 2-D mesh (FSDP2 over ``dp`` × TP over ``tp``), the
-pitfalls and what the communication costs.
+parallelism, every collective counted, then the pitfalls of :mod:`mgtutorial.tensor_parallel_pitfalls`)
+and a 2-D mesh (FSDP2 over ``dp`` × TP over ``tp``) with the layout of its shards.
 
 Taught in notebooks/08_tensor_parallel.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.tensor.parallel.html,
 https://pytorch.org/docs/stable/distributed.tensor.html (``CommDebugMode``),
 https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html and
-https://pytorch.org/tutorials/intermediate/TP_tutorial.html (2-D parallelism). The pitfalls are in
-:mod:`mgtutorial.tensor_parallel_pitfalls`.
+https://pytorch.org/tutorials/intermediate/TP_tutorial.html (2-D parallelism).
 """
 
 from __future__ import annotations
@@ -82,8 +81,9 @@ def count_mode():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            if out is not NotImplemented and _short(func) in SHORT.values():  # c10d's returns (tensors, work)
-                self.sizes.setdefault(_short(func), [_nbytes(args[0]), _nbytes(args[0] if isinstance(out, tuple) else out)])
+            if out is not NotImplemented and _short(func) in SHORT.values():  # c10d's: (tensors, work)
+                got = args[0] if isinstance(out, tuple) else out
+                self.sizes.setdefault(_short(func), [_nbytes(args[0]), _nbytes(got)])
             return out
 
     return CommBytes()
@@ -118,14 +118,15 @@ def _max_diff(pairs) -> float:
 
 
 def worker(cfg: TPConfig) -> dict:
-    """Split one :class:`~mgtutorial.tensor_parallel.Block` over all ranks four ways and check
-    each against the unsplit block (``assert_close``: a mismatch fails the rank).
+    """Split one :class:`~mgtutorial.tensor_parallel.Block` over all ranks, by hand and with DTensor
+    plans, and check each split against the unsplit block (``assert_close``: a mismatch fails the rank).
 
     Returns per split (``hand_mlp``, ``hand_attention``, ``hand_block``, ``dtensor``,
     ``dtensor_unprepared``, ``sequence_parallel``): ``counts`` (collectives in forward and in
     backward, from ``CommDebugMode``), ``max_diff`` (largest |difference| of outputs, input
     gradient and parameter gradients); the hand splits also ``fg_counts`` (from the counting
     wrapper); ``dtensor`` also ``placements`` {parameter: [class, placements, local shape]}.
+    Then ``pitfalls``: see :func:`mgtutorial.tensor_parallel_pitfalls.pitfalls`.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -172,11 +173,13 @@ def worker(cfg: TPConfig) -> dict:
                     k: [type(p).__name__, [repr(pl) for pl in getattr(p, "placements", ())],
                         list(p.to_local().shape if hasattr(p, "to_local") else p.shape)]
                     for k, p in block.named_parameters()}
+        from .tensor_parallel_pitfalls import pitfalls
+
+        results["pitfalls"] = pitfalls(cfg, ctx, mesh)
         return results
 
 
-# ---------------------------------------------------------------------------------------------
-# A 2-D mesh: FSDP2 over "dp", TP over "tp"
+# --- A 2-D mesh: FSDP2 over "dp", TP over "tp" ------------------------------------------------
 
 
 @dataclass(kw_only=True)
@@ -202,9 +205,8 @@ class MeshConfig(TPConfig):
 
 def batches(cfg: MeshConfig):
     """The ``cfg.steps`` (input, target) pairs of shape ``(batch, seq, h)`` every rank agrees on."""
-    g = torch.Generator().manual_seed(cfg.seed + 2)
-    return [(torch.randn(cfg.batch, cfg.seq, cfg.h, generator=g), torch.randn(cfg.batch, cfg.seq, cfg.h, generator=g))
-            for _ in range(cfg.steps)]
+    g, shape = torch.Generator().manual_seed(cfg.seed + 2), (cfg.batch, cfg.seq, cfg.h)
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(cfg.steps)]
 
 
 def reference(cfg: MeshConfig) -> tuple[tp.Block, list[float]]:
@@ -286,10 +288,9 @@ def layout_figure(values: dict, names=("attn.wq.weight", "attn.wo.weight", "mlp.
     fig = Figure(figsize=(3.2 * len(names), 3.4), layout="constrained")
     for ax, name in zip(fig.subplots(1, len(names), squeeze=False)[0], names):
         for rank, v in sorted(values.items()):
-            color = f"C{rank}"
             for r0, r1 in v["layout"][name]["rows"]:
                 for c0, c1 in v["layout"][name]["cols"]:
-                    ax.add_patch(Rectangle((c0, r0), c1 - c0 + 1, r1 - r0 + 1, facecolor=color, alpha=0.55, edgecolor="k"))
+                    ax.add_patch(Rectangle((c0, r0), c1 - c0 + 1, r1 - r0 + 1, fc=f"C{rank}", alpha=0.55, ec="k"))
                     ax.text((c0 + c1 + 1) / 2, (r0 + r1 + 1) / 2, f"rank {rank}\ndp{v['coords'][0]} tp{v['coords'][1]}",
                             ha="center", va="center", fontsize=8)
         rows = max(r[1] for v in values.values() for r in v["layout"][name]["rows"]) + 1

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import env
 from . import tensor_parallel as tp
-from .tensor_parallel_mesh import TPConfig, _full, _inputs, check
+from .tensor_parallel_mesh import TPConfig, _full, _inputs
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     """``clip_grad_norm_`` for a mix of plain tensors and DTensors on different meshes: one norm
@@ -53,8 +53,9 @@ def _gathered(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     return parts
 
 
-def pitfall_worker(cfg: TPConfig) -> dict:
-    """Each pitfall, then its fix, on a 1-D TP mesh over all ranks.
+def pitfalls(cfg: TPConfig, ctx: env.DistContext, mesh) -> dict:
+    """Each pitfall, then its fix, on the 1-D TP ``mesh`` over all ranks. Called by
+    :func:`mgtutorial.tensor_parallel_mesh.worker` inside its process group (every rank calls it).
 
     Returns {"forgot_heads": error, "clip_error": error, "clip_norm_diff": |fixed norm − unsplit|,
     "foreach_error": error, "for_loop_param_diff": max |param − unsplit| after one SGD step,
@@ -62,37 +63,32 @@ def pitfall_worker(cfg: TPConfig) -> dict:
     between TP ranks of an activation that should be replicated), "sharded_agree_shared_seed",
     "sharded_agree_per_rank_seed" (fraction of equal mask entries between TP ranks' slices)}}.
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    with env.distributed(cfg.backend) as ctx:
-        r, n = ctx.rank, ctx.world_size
-        check(cfg, n)
-        dev = ctx.device
-        mesh = init_device_mesh(dev.type, (n,), mesh_dim_names=("tp",))
-        env.seed_everything(cfg.seed)
-        ref, (x, dy) = tp.Block(cfg.h, cfg.n_heads, cfg.ffn).to(dev), (t.to(dev) for t in _inputs(cfg))
-        block = copy.deepcopy(ref)
-        parallelize_module(block, mesh, tp.tp_plan())
-        out = {"forgot_heads": _error(block, x)}  # still reshapes into all n_heads heads
-        tp.fix_heads(block, n)  # the fix: n_heads / tp heads on each rank
-        for m in (block, ref):
-            (m(x) * dy).sum().backward()
-        out["clip_error"] = _error(torch.nn.utils.clip_grad_norm_, block.parameters(), 1e9)
-        want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-        out["clip_norm_diff"] = float((clip_grad_norm(block.parameters(), 1e9) - want).abs())
-        out["foreach_error"] = _error(lambda: torch.optim.SGD(block.parameters(), lr=0.1, foreach=True).step())
-        for m in (block, ref):
-            torch.optim.SGD(m.parameters(), lr=0.1, foreach=False).step()
-        out["for_loop_param_diff"] = max(float((_full(p) - q).abs().max())
-                                         for p, q in zip(block.parameters(), ref.parameters()))
-        rep, shard = (torch.ones(cfg.batch, cfg.seq, w, device=dev) for w in (cfg.h, cfg.ffn // n))
-        drop = {}
-        for name, seed in (("per_rank_seed", cfg.seed + r), ("shared_seed", cfg.seed)):
-            parts = _gathered(dropout(rep, 0.5, torch.Generator(dev).manual_seed(seed)), n)
-            drop[f"replicated_diff_{name}"] = max(float((p - parts[0]).abs().max()) for p in parts)
-        for name, seed in (("shared_seed", cfg.seed), ("per_rank_seed", cfg.seed + 2718 + r)):
-            parts = _gathered(dropout(shard, 0.5, torch.Generator(dev).manual_seed(seed)), n)
-            drop[f"sharded_agree_{name}"] = float((parts[0] == parts[-1]).float().mean())
-        out["dropout"] = drop
-        return out
+    r, n, dev = ctx.rank, ctx.world_size, ctx.device
+    env.seed_everything(cfg.seed)
+    ref, (x, dy) = tp.Block(cfg.h, cfg.n_heads, cfg.ffn).to(dev), (t.to(dev) for t in _inputs(cfg))
+    block = copy.deepcopy(ref)
+    parallelize_module(block, mesh, tp.tp_plan())
+    out = {"forgot_heads": _error(block, x)}  # still reshapes into all n_heads heads
+    tp.fix_heads(block, n)  # the fix: n_heads / tp heads on each rank
+    for m in (block, ref):
+        (m(x) * dy).sum().backward()
+    out["clip_error"] = _error(torch.nn.utils.clip_grad_norm_, block.parameters(), 1e9)
+    want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    out["clip_norm_diff"] = float((clip_grad_norm(block.parameters(), 1e9) - want).abs())
+    out["foreach_error"] = _error(lambda: torch.optim.SGD(block.parameters(), lr=0.1, foreach=True).step())
+    for m in (block, ref):
+        torch.optim.SGD(m.parameters(), lr=0.1, foreach=False).step()
+    out["for_loop_param_diff"] = max(float((_full(p) - q).abs().max())
+                                     for p, q in zip(block.parameters(), ref.parameters()))
+    rep, shard = (torch.ones(cfg.batch, cfg.seq, w, device=dev) for w in (cfg.h, cfg.ffn // n))
+    drop = {}
+    for name, seed in (("per_rank_seed", cfg.seed + r), ("shared_seed", cfg.seed)):
+        parts = _gathered(dropout(rep, 0.5, torch.Generator(dev).manual_seed(seed)), n)
+        drop[f"replicated_diff_{name}"] = max(float((p - parts[0]).abs().max()) for p in parts)
+    for name, seed in (("shared_seed", cfg.seed), ("per_rank_seed", cfg.seed + 2718 + r)):
+        parts = _gathered(dropout(shard, 0.5, torch.Generator(dev).manual_seed(seed)), n)
+        drop[f"sharded_agree_{name}"] = float((parts[0] == parts[-1]).float().mean())
+    out["dropout"] = drop
+    return out

@@ -57,8 +57,11 @@ def pitfalls(cfg: TPConfig, ctx: env.DistContext, mesh) -> dict:
     """Each pitfall, then its fix, on the 1-D TP ``mesh`` over all ranks. Called by
     :func:`mgtutorial.tensor_parallel_mesh.worker` inside its process group (every rank calls it).
 
-    Returns {"forgot_heads": error, "clip_error": error, "clip_norm_diff": |fixed norm − unsplit|,
+    Returns {"forgot_heads": error, "clip_error": error,
+    "clip_norm_rel_diff": |fixed norm − unsplit| / unsplit,
     "foreach_error": error, "for_loop_param_diff": max |param − unsplit| after one SGD step,
+    the same with the sequence-parallel plan (every parameter a DTensor): "sp_all_dtensor",
+    "sp_clip_norm_rel_diff" (torch's ``clip_grad_norm_``), "sp_foreach_param_diff" (``foreach=True``),
     "dropout": {"replicated_diff_per_rank_seed", "replicated_diff_shared_seed" (max |difference|
     between TP ranks of an activation that should be replicated), "sharded_agree_shared_seed",
     "sharded_agree_per_rank_seed" (fraction of equal mask entries between TP ranks' slices)}}.
@@ -68,7 +71,7 @@ def pitfalls(cfg: TPConfig, ctx: env.DistContext, mesh) -> dict:
     r, n, dev = ctx.rank, ctx.world_size, ctx.device
     env.seed_everything(cfg.seed)
     ref, (x, dy) = tp.Block(cfg.h, cfg.n_heads, cfg.ffn).to(dev), (t.to(dev) for t in _inputs(cfg))
-    block = copy.deepcopy(ref)
+    block, start = copy.deepcopy(ref), copy.deepcopy(ref)
     parallelize_module(block, mesh, tp.tp_plan())
     out = {"forgot_heads": _error(block, x)}  # still reshapes into all n_heads heads
     tp.fix_heads(block, n)  # the fix: n_heads / tp heads on each rank
@@ -76,12 +79,20 @@ def pitfalls(cfg: TPConfig, ctx: env.DistContext, mesh) -> dict:
         (m(x) * dy).sum().backward()
     out["clip_error"] = _error(torch.nn.utils.clip_grad_norm_, block.parameters(), 1e9)
     want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-    out["clip_norm_diff"] = float((clip_grad_norm(block.parameters(), 1e9) - want).abs())
+    out["clip_norm_rel_diff"] = float((clip_grad_norm(block.parameters(), 1e9) - want).abs() / want)
     out["foreach_error"] = _error(lambda: torch.optim.SGD(block.parameters(), lr=0.1, foreach=True).step())
     for m in (block, ref):
         torch.optim.SGD(m.parameters(), lr=0.1, foreach=False).step()
     out["for_loop_param_diff"] = max(float((_full(p) - q).abs().max())
                                      for p, q in zip(block.parameters(), ref.parameters()))
+    sp = tp.apply_tp(start, mesh, sequence_parallel=True)  # the other fix: every parameter a DTensor
+    (sp(x.chunk(n, dim=1)[r]) * dy.chunk(n, dim=1)[r]).sum().backward()
+    out["sp_all_dtensor"] = all(hasattr(p, "placements") for p in sp.parameters())
+    sp_norm = _full(torch.nn.utils.clip_grad_norm_(sp.parameters(), 1e9))  # torch's, unchanged
+    out["sp_clip_norm_rel_diff"] = float((sp_norm - want).abs() / want)
+    torch.optim.SGD(sp.parameters(), lr=0.1, foreach=True).step()
+    out["sp_foreach_param_diff"] = max(float((_full(p) - q).abs().max())
+                                       for p, q in zip(sp.parameters(), ref.parameters()))
     rep, shard = (torch.ones(cfg.batch, cfg.seq, w, device=dev) for w in (cfg.h, cfg.ffn // n))
     drop = {}
     for name, seed in (("per_rank_seed", cfg.seed + r), ("shared_seed", cfg.seed)):

@@ -105,3 +105,16 @@ def test_unsplit_name_and_hand_shard():
     assert tp.hand_shard("attn.wo", full, 1, 2).tolist() == [[2, 3], [6, 7], [10, 11]]
     assert tp.hand_shard("w1", torch.arange(4.0), 0, 2).tolist() == [0, 1]
     assert M._runs([0, 1, 2, 5, 6, 9]) == [[0, 2], [5, 6], [9, 9]]
+
+
+def test_column_then_row_slices_sum_to_the_unsplit_mlp():
+    """The arithmetic of the split, without processes: the ranks' partial outputs sum to the MLP's."""
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    mlp, x = tp.MLP(16, 32), torch.randn(2, 8, 16)
+    parts = [tp.HandTPMLP(mlp, r, 4) for r in range(4)]
+    partial = [F.linear(F.gelu(F.linear(x, p.w1, p.b1)), p.w2) for p in parts]
+    torch.testing.assert_close(sum(partial) + parts[0].b2, mlp(x))
+    # the check can fail: rank r's inner features with another rank's slice of w2 are not the MLP
+    mixed = [F.linear(F.gelu(F.linear(x, p.w1, p.b1)), q.w2) for p, q in zip(parts, parts[::-1])]
+    assert not torch.allclose(sum(mixed) + parts[0].b2, mlp(x), atol=1e-3)

@@ -116,10 +116,10 @@ def check_heads(n_heads: int, h: int, tp: int) -> None:
     if h % n_heads:
         raise ValueError(f"hidden size h={h} is not divisible by n_heads={n_heads}.")
     if n_heads % tp:
+        near = " or ".join(str(m) for m in (tp * (n_heads // tp), tp * (n_heads // tp + 1)) if m)
         raise ValueError(
             f"n_heads={n_heads} is not divisible by the tensor-parallel degree tp={tp}: each rank must "
-            f"hold whole heads. Use n_heads a multiple of {tp} (e.g. {tp * max(1, n_heads // tp)}) "
-            f"or a tp that divides {n_heads}."
+            f"hold whole heads. Use n_heads a multiple of {tp} (e.g. {near}) or a tp that divides {n_heads}."
         )
 
 

@@ -12,6 +12,7 @@ https://pytorch.org/tutorials/intermediate/TP_tutorial.html (2-D parallelism).
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +72,7 @@ def _nbytes(t) -> int:
 
 
 def count_mode():
-    """A ``CommDebugMode`` that also keeps each collective's sizes: ``.sizes`` = {name: [bytes in, bytes out]}."""
+    """A ``CommDebugMode`` that also keeps every call's sizes: ``.sizes`` = {name: [[bytes in, out], ...]}."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     class CommBytes(CommDebugMode):
@@ -83,7 +84,7 @@ def count_mode():
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if out is not NotImplemented and _short(func) in SHORT.values():  # c10d's: (tensors, work)
                 got = args[0] if isinstance(out, tuple) else out
-                self.sizes.setdefault(_short(func), [_nbytes(args[0]), _nbytes(got)])
+                self.sizes.setdefault(_short(func), []).append([_nbytes(args[0]), _nbytes(got)])
             return out
 
     return CommBytes()
@@ -103,8 +104,7 @@ def _inputs(cfg: TPConfig):  # the input and the upstream gradient, (b, s, h) ea
 
 def _run(module, x, dy):
     """Forward and backward of ``(module(x) · dy).sum()``, each counted; returns outputs and counts."""
-    x = x.clone().requires_grad_()
-    out, fwd, sizes = counted(module, x)
+    out, fwd, sizes = counted(module, x := x.clone().requires_grad_())
     _, bwd, _ = counted(lambda: (out * dy).sum().backward())
     return out.detach(), x.grad, {"forward": fwd, "backward": bwd, "bytes": sizes}
 
@@ -125,7 +125,8 @@ def worker(cfg: TPConfig) -> dict:
     ``dtensor_unprepared``, ``sequence_parallel``): ``counts`` (collectives in forward and in
     backward, from ``CommDebugMode``), ``max_diff`` (largest |difference| of outputs, input
     gradient and parameter gradients); the hand splits also ``fg_counts`` (from the counting
-    wrapper); ``dtensor`` also ``placements`` {parameter: [class, placements, local shape]}.
+    wrapper); the DTensor ones ``norm_grad`` (``attn_norm.weight.grad``'s placements: ``Partial(sum)``
+    under sequence parallelism); ``dtensor`` also ``placements`` {parameter: [class, placements, local shape]}.
     Then ``pitfalls``: see :func:`mgtutorial.tensor_parallel_pitfalls.pitfalls`.
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -167,7 +168,8 @@ def worker(cfg: TPConfig) -> dict:
                 pairs.append((out, hand_out))
             for a, b in pairs:
                 assert_close(a, b, **TOL)
-            results[name] = {"counts": c, "max_diff": _max_diff(pairs)}
+            results[name] = {"counts": c, "max_diff": _max_diff(pairs),
+                             "norm_grad": [repr(pl) for pl in getattr(block.attn_norm.weight.grad, "placements", ())]}
             if name == "dtensor":
                 results[name]["placements"] = {
                     k: [type(p).__name__, [repr(pl) for pl in getattr(p, "placements", ())],
@@ -224,14 +226,9 @@ def reference(cfg: MeshConfig) -> tuple[tp.Block, list[float]]:
     return block, losses
 
 
-def _runs(indices: list[int]) -> list[list[int]]:
-    out: list[list[int]] = []
-    for i in indices:
-        if out and out[-1][1] == i - 1:
-            out[-1][1] = i
-        else:
-            out.append([i, i])
-    return out
+def _runs(indices: list[int]) -> list[list[int]]:  # [0, 1, 2, 5] → [[0, 2], [5, 5]]
+    groups = (list(g) for _, g in itertools.groupby(enumerate(indices), lambda t: t[1] - t[0]))
+    return [[g[0][1], g[-1][1]] for g in groups]
 
 
 def shard_layout(module) -> dict:
@@ -254,11 +251,11 @@ def shard_layout(module) -> dict:
 def mesh_worker(cfg: MeshConfig) -> dict:
     """Train one block on a ``(dp, tp)`` mesh: ``apply_tp`` over ``tp``, then ``fully_shard`` over
     ``dp``; each dp rank takes its share of every batch. Rank 0 writes the final whole parameters
-    to ``<run dir>/final.pt``. Returns {"coords": [dp rank, tp rank], "losses", "layout"}."""
+    to ``<run dir>/final.pt``. Returns {"coords": [dp rank, tp rank], "losses", "layout", "torch_clip_error"}."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from .tensor_parallel_pitfalls import clip_grad_norm
+    from .tensor_parallel_pitfalls import _error, clip_grad_norm
 
     with env.distributed(cfg.backend) as ctx, runlog.RunLog() as log:
         mesh = init_device_mesh(ctx.device.type, (cfg.dp, ctx.world_size // cfg.dp), mesh_dim_names=("dp", "tp"))
@@ -270,14 +267,17 @@ def mesh_worker(cfg: MeshConfig) -> dict:
             x, y = (t.chunk(cfg.dp)[dp].to(ctx.device) for t in (x, y))
             loss = torch.nn.functional.mse_loss(block(x), y)
             loss.backward()
-            clip_grad_norm(block.parameters(), cfg.max_norm)  # torch's clip_grad_norm_ fails here
+            if step == 1:  # what torch's clip_grad_norm_ raises on these mixed meshes (in its norm)
+                torch_clip = _error(torch.nn.utils.clip_grad_norm_, block.parameters(), cfg.max_norm)
+            clip_grad_norm(block.parameters(), cfg.max_norm)
             opt.step()
             opt.zero_grad()
             losses.append(ddp.log_step(log, ctx, step=step, epoch=0, loss=loss.item(), samples=step * len(x))["loss"])
         full = {k: _full(p).detach().cpu() for k, p in block.named_parameters()}
         if ctx.is_main:
             torch.save(full, runlog.run_dir() / "final.pt")
-        return {"coords": [dp, mesh["tp"].get_local_rank()], "losses": losses, "layout": shard_layout(block)}
+        return {"coords": [dp, mesh["tp"].get_local_rank()], "losses": losses, "layout": shard_layout(block),
+                "torch_clip_error": torch_clip}
 
 
 def layout_figure(values: dict, names=("attn.wq.weight", "attn.wo.weight", "mlp.w1.weight", "mlp.w2.weight")):

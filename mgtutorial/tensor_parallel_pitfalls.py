@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from . import env
 from . import tensor_parallel as tp
-from .tensor_parallel_mesh import TPConfig, _full, _inputs
+from .tensor_parallel_mesh import TPConfig, _full, _inputs, counted
+
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     """``clip_grad_norm_`` for a mix of plain tensors and DTensors on different meshes: one norm
@@ -62,6 +63,7 @@ def pitfalls(cfg: TPConfig, ctx: env.DistContext, mesh) -> dict:
     "foreach_error": error, "for_loop_param_diff": max |param − unsplit| after one SGD step,
     the same with the sequence-parallel plan (every parameter a DTensor): "sp_all_dtensor",
     "sp_clip_norm_rel_diff" (torch's ``clip_grad_norm_``), "sp_foreach_param_diff" (``foreach=True``),
+    "sp_clip_counts", "sp_step_counts" (collectives they issue: the LayerNorms' ``Partial`` gradients),
     "dropout": {"replicated_diff_per_rank_seed", "replicated_diff_shared_seed" (max |difference|
     between TP ranks of an activation that should be replicated), "sharded_agree_shared_seed",
     "sharded_agree_per_rank_seed" (fraction of equal mask entries between TP ranks' slices)}}.
@@ -88,9 +90,9 @@ def pitfalls(cfg: TPConfig, ctx: env.DistContext, mesh) -> dict:
     sp = tp.apply_tp(start, mesh, sequence_parallel=True)  # the other fix: every parameter a DTensor
     (sp(x.chunk(n, dim=1)[r]) * dy.chunk(n, dim=1)[r]).sum().backward()
     out["sp_all_dtensor"] = all(hasattr(p, "placements") for p in sp.parameters())
-    sp_norm = _full(torch.nn.utils.clip_grad_norm_(sp.parameters(), 1e9))  # torch's, unchanged
-    out["sp_clip_norm_rel_diff"] = float((sp_norm - want).abs() / want)
-    torch.optim.SGD(sp.parameters(), lr=0.1, foreach=True).step()
+    sp_norm, out["sp_clip_counts"], _ = counted(torch.nn.utils.clip_grad_norm_, sp.parameters(), 1e9)  # torch's
+    out["sp_clip_norm_rel_diff"] = float((_full(sp_norm) - want).abs() / want)
+    _, out["sp_step_counts"], _ = counted(torch.optim.SGD(sp.parameters(), lr=0.1, foreach=True).step)
     out["sp_foreach_param_diff"] = max(float((_full(p) - q).abs().max())
                                        for p, q in zip(sp.parameters(), ref.parameters()))
     rep, shard = (torch.ones(cfg.batch, cfg.seq, w, device=dev) for w in (cfg.h, cfg.ffn // n))

@@ -28,12 +28,14 @@ def test_every_split_equals_unsplit_with_counted_collectives(runs, no_leftovers)
         assert v["hand_block"]["fg_counts"] == {"forward": 2, "backward": 2}
         for name in ("hand_block", "dtensor"):
             assert v[name]["counts"]["forward"] == two and v[name]["counts"]["backward"] == two
-        assert v["dtensor"]["counts"]["bytes"] == {"all_reduce": [ACT, ACT]}
+        assert v["dtensor"]["counts"]["bytes"] == {"all_reduce": [[ACT, ACT]] * 2}  # every call, in order
         # without PrepareModuleInput, q, k and v each all-reduce their input's gradient
         assert v["dtensor_unprepared"]["counts"]["backward"] == {"all_reduce": 4}
         sp = v["sequence_parallel"]["counts"]
         assert sp["forward"] == sp["backward"] == {"all_gather": 2, "reduce_scatter": 2}
-        assert sp["bytes"] == {"all_gather": [ACT // 2, ACT], "reduce_scatter": [ACT, ACT // 2]}
+        assert sp["bytes"] == {"all_gather": [[ACT // 2, ACT]] * 2, "reduce_scatter": [[ACT, ACT // 2]] * 2}
+        # the LayerNorms' gradients are left Partial by sequence parallelism, plain tensors otherwise
+        assert v["sequence_parallel"]["norm_grad"] == ["Partial(sum)"] and v["dtensor"]["norm_grad"] == []
         placements = v["dtensor"]["placements"]
         assert placements["attn.wq.weight"] == ["DTensor", ["Shard(dim=0)"], [CFG.h // 2, CFG.h]]
         assert placements["attn.wo.weight"] == ["DTensor", ["Shard(dim=1)"], [CFG.h, CFG.h // 2]]
@@ -51,6 +53,7 @@ def test_2d_mesh_fsdp_times_tp_equals_one_process(runs, no_leftovers):
     torch.testing.assert_close(got, ref.state_dict(), rtol=1e-5, atol=1e-6)
     coords = {r: tuple(v["coords"]) for r, v in res.values.items()}
     assert coords == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
+    assert all("must have the same mesh" in v["torch_clip_error"] for v in res.values.values())
     for step in range(cfg.steps):  # the mean over dp ranks of their half-batch losses is the whole batch's
         mean = (res.values[0]["losses"][step] + res.values[2]["losses"][step]) / 2
         assert mean == pytest.approx(ref_losses[step], rel=1e-5)
@@ -70,6 +73,9 @@ def _assert_pitfalls(v):  # each pitfall reproduced, then fixed
     assert "mixed torch.Tensor and DTensor" in v["foreach_error"]
     assert v["clip_norm_rel_diff"] < 1e-6 and v["for_loop_param_diff"] < 1e-5
     assert v["sp_all_dtensor"] and v["sp_clip_norm_rel_diff"] < 1e-6 and v["sp_foreach_param_diff"] < 1e-5
+    norm_params = 4  # 2 LayerNorms × (weight, bias): Partial gradients, all-reduced each time they are read
+    assert v["sp_step_counts"] == {"all_reduce": norm_params}
+    assert v["sp_clip_counts"] == {"all_reduce": norm_params + 1}  # + the sum of the sharded norms
     d = v["dropout"]
     assert d["replicated_diff_per_rank_seed"] > 0 and d["replicated_diff_shared_seed"] == 0
     assert d["sharded_agree_shared_seed"] == 1.0 and 0.3 < d["sharded_agree_per_rank_seed"] < 0.7

@@ -44,7 +44,7 @@ SCRIPTS = Path(__file__).resolve().parent
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))
 
-from gpu_check_items import ITEMS, CheckFailed, Item, Skip, Where  # noqa: E402
+from gpu_check_items import ITEMS, NO_TF32, CheckFailed, Item, Skip, Where  # noqa: E402
 
 LOG_TAIL = 3000  # characters of an item's output kept in the report when it fails
 NOTEBOOK_TIMEOUT_S = 300
@@ -184,9 +184,10 @@ def run_item(it: Item, *, device: str, gpus: int, out_dir: Path, timeout_s: floa
 
 def child(target: str, device: str, gpus: int, workdir: Path, result: Path) -> int:
     """Inside an item's process: run ``target`` ("module:function") and write its outcome as JSON."""
+    os.environ.update(NO_TF32)  # before CUDA starts: fp32 means fp32 in every comparison and timing
     module, name = target.split(":")
-    fn = getattr(importlib.import_module(module), name)
     try:
+        fn = getattr(importlib.import_module(module), name)
         out = {"status": "passed", "figures": fn(Where(device, gpus, workdir))}
     except Skip as exc:
         out = {"status": "skipped", "reason": str(exc)}
@@ -258,11 +259,13 @@ def summarize(entries: list[dict]) -> dict:
     return {s: sum(e["status"] == s for e in entries) for s in ("passed", "failed", "skipped")}
 
 
-def run_notebooks(out_dir: Path, gpus: int, timeout_s: float = NOTEBOOK_TIMEOUT_S) -> list[dict]:
-    """Execute copies of notebooks/*.ipynb under CUDA into ``out_dir/notebooks``: nbval first
-    (deterministic cells compared with the committed CPU outputs), then ``nbconvert --execute``
-    to keep the executed copy. The committed notebooks are never written."""
-    names = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+def run_notebooks(out_dir: Path, gpus: int, timeout_s: float = NOTEBOOK_TIMEOUT_S,
+                  names: list[str] | None = None) -> list[dict]:
+    """Execute copies of notebooks/*.ipynb (or of ``names``) under CUDA into ``out_dir/notebooks``:
+    nbval first (deterministic cells compared with the committed CPU outputs), then
+    ``nbconvert --execute`` to keep the executed copy. The committed notebooks are never written.
+    Returns one entry per notebook: ``name``, ``status`` and ``error`` or ``reason``."""
+    names = names or sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
     if gpus == 0:
         return [{"name": n, "status": "skipped", "reason": "no CUDA GPU"} for n in names]
     nb_dir = out_dir / "notebooks"

@@ -24,6 +24,7 @@ CUDA it is 1 when an item failed. Keep a report next to the benchmarks with the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import json
@@ -87,7 +88,8 @@ def versions() -> dict:
     return {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-            "nccl": nccl_version(), "driver": driver_version(), "gpu_count": len(gpus), "gpus": gpus}
+            "nccl": nccl_version(), "driver": driver_version(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpu_count": len(gpus), "gpus": gpus}
 
 
 def select(items: list[Item], gpus: int, only: list[str] | None = None, device: str = "cuda") -> list[tuple[Item, str | None]]:
@@ -165,6 +167,9 @@ def run_item(it: Item, *, device: str, gpus: int, out_dir: Path, timeout_s: floa
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             code = None
+        except KeyboardInterrupt:  # its own session does not get the terminal's Ctrl-C: end it here
+            _kill_group(proc)
+            raise
         _kill_group(proc)  # also after a normal exit: nothing it started may outlive it
     entry["duration_s"] = round(time.monotonic() - start, 2)
     outcome = json.loads(result.read_text()) if result.exists() else {}
@@ -240,8 +245,11 @@ def render_markdown(report: dict) -> str:
                 lines += ["", f"{key}:", "", *_table([{"": k, **r} for k, r in val.items()]), ""]
             else:
                 lines.append(f"* {key}: {_cell(val)}")
+    if report.get("notebooks"):
+        lines += ["", "## notebooks under CUDA (nbval, then executed copies in notebooks/)", ""]
     for nb in report.get("notebooks", []):
-        lines.append(f"* notebook {nb['name']}: {nb['status']}" + (f" — {nb['error']}" if nb.get("error") else ""))
+        note = nb.get("error") or nb.get("reason")
+        lines.append(f"* {nb['name']}: {nb['status']}" + (f" — {note.splitlines()[-1]}" if note else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -331,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{it.name:26} {entry['status']:8} {entry.get('error') or entry.get('reason') or ''}".rstrip(),
               flush=True)
         entries.append(entry)
-    report = {"started": started, "device": args.device, "versions": versions(), "items": entries,
+    with contextlib.suppress(OSError):
+        (args.out / "work").rmdir()  # only when empty: failed items keep their run folders there
+    report = {"started": started, "argv": sys.argv[1:] if argv is None else argv, "device": args.device,
+              "versions": versions(), "items": entries,
               "summary": summarize(entries)}
     if args.notebooks:
         report["notebooks"] = run_notebooks(args.out, gpus if args.device == "cuda" else 0)

@@ -33,6 +33,8 @@ from mgtutorial import RunResult, collectives, ddp, env, launch, models, pipelin
 NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}
 FP32_TOL = {"rtol": 1e-4, "atol": 1e-4}  # fp32 on a GPU vs fp32 on a CPU, after a few steps
 MIB = 2**20
+HOST_CLOCK_NOTE = ("bubble_measured comes from the Timeline's host timestamps (module hooks): on a GPU they "
+                   "time kernel launches and waits, not the kernels themselves")
 
 
 class Skip(Exception):
@@ -482,6 +484,11 @@ def device_basics(w: Where) -> dict:
         torch.cuda.set_device(dev)
         figures["current_device"] = torch.cuda.current_device()
         expect(figures["current_device"] == 0, "set_device(0) did not make cuda:0 current", figures)
+        if w.gpus >= 2:  # what env.distributed does in rank 1: plain "cuda" now means cuda:1
+            torch.cuda.set_device(1)
+            figures["plain_cuda_after_set_device_1"] = str(torch.zeros(1, device="cuda").device)
+            torch.cuda.set_device(dev)
+            expect(figures["plain_cuda_after_set_device_1"] == "cuda:1", "set_device(1) did not move 'cuda'", figures)
         if not torch.cuda.is_bf16_supported():
             raise Skip(f"{torch.cuda.get_device_name(0)} has no bf16")
     g = torch.Generator().manual_seed(0)
@@ -601,6 +608,7 @@ def naive_split(w: Where) -> dict:
     want = {str(i): p for i, p in enumerate(ref.parameters())}
     figures["max_param_diff"] = _max_diff(got, want)
     figures["bubble_measured_last_step"] = pipeline.bubble_measured([e for e in evs if e["step"] == cfg.steps])
+    figures["note"] = HOST_CLOCK_NOTE
     _close(got, want, "naive split vs unsplit model", figures)
     return figures
 
@@ -621,7 +629,7 @@ def pipeline_stages(w: Where) -> dict:
                      "max_param_diff": _max_diff(got, ref.state_dict()),
                      "max_loss_diff": max(abs(a - b) for a, b in zip(result.values[1]["losses"], losses))})
         _close(got, ref.state_dict(), f"{schedule} m={m} vs unsplit", {"rows": rows})
-    return {"stages": 2, "rows": rows}
+    return {"stages": 2, "rows": rows, "note": HOST_CLOCK_NOTE}
 
 
 @item("allreduce_busbw", chapter="09_performance", min_gpus=2, timeout_s=150,

@@ -155,6 +155,15 @@ def test_without_cuda_everything_is_skipped_and_exit_0(tmp_path, monkeypatch, ca
     assert (tmp_path / "report.md").exists() and not (tmp_path / "work").exists()
 
 
+def test_notebooks_without_cuda_are_skipped_and_nothing_is_written(tmp_path):
+    before = {p: p.stat().st_mtime_ns for p in (ROOT / "notebooks").glob("*.ipynb")}
+    got = gpu_check.run_notebooks(tmp_path, gpus=0)
+    assert [e["name"] for e in got] == sorted(p.name for p in before)
+    assert {(e["status"], e["reason"]) for e in got} == {("skipped", "no CUDA GPU")}
+    assert not (tmp_path / "notebooks").exists()
+    assert {p: p.stat().st_mtime_ns for p in (ROOT / "notebooks").glob("*.ipynb")} == before
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.timeout(4 * it.timeout_s + 60))
                                   for n, it in ITEMS.items()])
 def test_dry_run_on_cpu(name, tmp_path, no_leftovers):

@@ -9,7 +9,7 @@ CHROMIUM ?= /usr/bin/chromium
 export MGTUTORIAL_CHROMIUM := $(CHROMIUM)
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 
-.PHONY: lab demo test test-unit test-notebooks test-e2e chromium clean-runs
+.PHONY: lab demo test test-unit test-notebooks test-e2e gpu-check chromium clean-runs
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ test-notebooks: $(STAMP)
 
 test-e2e: $(STAMP) chromium  ## chapter 02 in JupyterLab in headless Chromium; screenshots in test-artifacts/e2e
 	$(PY) -m pytest tests/e2e -v
+
+# Every CUDA-only path of the course, each item in its own process with a time limit; a few minutes on
+# one GPU, more items with two or more. Report: gpu-check/report.md and report.json. Without CUDA
+# every item is reported skipped and it exits 0. GPU_CHECK_ARGS: e.g. --notebooks, --only NAME,..., --list
+GPU_CHECK_ARGS ?=
+gpu-check: $(STAMP)  ## prove the GPU paths (NCCL, DDP on cuda, SyncBatchNorm, pipeline stages, FSDP2, TP, timing)
+	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Debian's chromium, installed with apt-get where it is missing and we may (root, apt-get). Where it
 # cannot be installed, this says so and tests/e2e is skipped with the reason.

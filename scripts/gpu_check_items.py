@@ -1,0 +1,650 @@
+"""The items of ``scripts/gpu_check.py``: each one checks a CUDA-only path of the course.
+
+An item is a function ``item(w: Where) -> dict`` that runs in its own process (started by
+``gpu_check.py``), raises :class:`CheckFailed` (or any exception) when what the course says does not
+hold, :class:`Skip` when it cannot run here, and otherwise returns its figures (plain JSON values).
+Multi-rank items start their ranks with :func:`mgtutorial.launch`, the way the chapters do; their
+rank code is :func:`rank_worker`, which dispatches to one of :data:`RANK_TASKS`.
+
+``Where.device == "cpu"`` is the dry run (``gpu_check.py --device cpu``, used by
+tests/test_gpu_check.py): the same code on CPU with gloo and 2 ranks, so that typos and API misuse
+show up before anyone gets GPU time. CUDA-only calls (events, pinned memory, memory counters,
+SyncBatchNorm) are then left out and the comparisons that need them are reported as not made.
+
+The items of chapters 07 (FSDP2), 08 (tensor parallelism) and 09 (performance) use torch's APIs
+directly, so they do not depend on those chapters' modules.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mgtutorial import RunResult, collectives, ddp, env, launch, models, pipeline, runlog
+
+# NVIDIA's libraries read this: no TF32 in cuBLAS/cuDNN, so GPU results compare with CPU fp32 ones
+NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}
+FP32_TOL = {"rtol": 1e-4, "atol": 1e-4}  # fp32 on a GPU vs fp32 on a CPU, after a few steps
+MIB = 2**20
+HOST_CLOCK_NOTE = ("bubble_measured comes from the Timeline's host timestamps (module hooks): on a GPU they "
+                   "time kernel launches and waits, not the kernels themselves")
+
+
+class Skip(Exception):
+    """The item cannot run here; the message is the reason."""
+
+
+class CheckFailed(AssertionError):
+    """What the course says did not hold. ``figures``: what was measured before it failed."""
+
+    def __init__(self, message: str, figures: dict | None = None):
+        super().__init__(message)
+        self.figures = figures or {}
+
+
+def expect(condition: bool, message: str, figures: dict | None = None) -> None:
+    """Raise :class:`CheckFailed` with ``message`` (and the figures so far) unless ``condition``."""
+    if not condition:
+        raise CheckFailed(message, figures)
+
+
+@dataclass
+class Where:
+    """Where an item runs: ``device`` "cuda" (a GPU check) or "cpu" (the dry run), the number of
+    GPUs, and a work directory for run folders and checkpoints."""
+
+    device: str
+    gpus: int
+    workdir: Path
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.cuda else "gloo"
+
+    @property
+    def nprocs(self) -> int:
+        """Ranks for a multi-rank item: one per GPU (all of them), or 2 CPU ranks in the dry run."""
+        return self.gpus if self.cuda else 2
+
+
+@dataclass(frozen=True)
+class Item:
+    """One check: ``name``, the ``chapter`` it backs, the GPUs it needs, its time limit (s), a line
+    saying ``what`` it checks, and ``target`` ("module:function") for the process that runs it."""
+
+    name: str
+    chapter: str
+    min_gpus: int
+    timeout_s: float
+    what: str
+    target: str
+
+
+ITEMS: dict[str, Item] = {}
+
+
+def item(name: str, *, chapter: str, min_gpus: int, timeout_s: float, what: str) -> Callable:
+    """Register the decorated function as the item ``name`` (in :data:`ITEMS`, in order)."""
+    def register(fn):
+        ITEMS[name] = Item(name, chapter, min_gpus, timeout_s, what, f"{__name__}:{fn.__name__}")
+        return fn
+    return register
+
+
+# ---------------------------------------------------------------------------------------------
+# plumbing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """Milliseconds between ``__enter__`` and ``__exit__``: CUDA events on a GPU (the GPU's own
+    clock, waited for), ``time.perf_counter`` on CPU. ``ms`` after the block."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.ms = device, float("nan")
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self._end.record()
+            self._end.synchronize()
+            self.ms = self._start.elapsed_time(self._end)
+        else:
+            self.ms = (time.perf_counter() - self._t0) * 1e3
+
+
+def _allocated(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _run(worker, cfg, nprocs: int, w: Where, timeout_s: float = 120.0) -> RunResult:
+    """``launch(worker, cfg, nprocs)`` into the item's work directory, waited for; stopped on error."""
+    run = launch(worker, cfg, nprocs, runs_dir=w.workdir / "runs", extra_env=NO_TF32)
+    try:
+        return run.wait(timeout=timeout_s)
+    except BaseException:
+        run.stop()
+        raise
+
+
+def _max_diff(got: dict, ref: dict) -> float:
+    expect(got.keys() == ref.keys(), f"different parameters: {sorted(got)} vs {sorted(ref)}")
+    return max((got[k].detach().float().cpu() - ref[k].detach().float().cpu()).abs().max().item() for k in ref)
+
+
+def _close(got: dict, ref: dict, what: str, figures: dict, tol: dict = FP32_TOL) -> None:
+    """``assert_close`` over two state dicts (CPU), failing with the figures so far."""
+    try:
+        torch.testing.assert_close({k: v.detach().float().cpu() for k, v in got.items()},
+                                   {k: v.detach().float().cpu() for k, v in ref.items()}, **tol)
+    except AssertionError as exc:
+        raise CheckFailed(f"{what}: {exc}", figures) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# rank code of the multi-rank items
+
+
+@dataclass(kw_only=True)
+class RankConfig:
+    """Configuration of :func:`rank_worker`."""
+
+    task: str = "fsdp2_memory"
+    """Which rank function to run: a key of :data:`RANK_TASKS`."""
+    backend: str = "auto"
+    """"auto" | "gloo" | "nccl"."""
+    params: dict = field(default_factory=dict)
+    """Keyword arguments of the task."""
+    timeout_s: float = 60.0
+    """Collective timeout in seconds."""
+
+
+def rank_worker(cfg: RankConfig):
+    """One rank of a multi-rank item: join the process group, run ``RANK_TASKS[cfg.task]``."""
+    with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
+        return RANK_TASKS[cfg.task](ctx, **cfg.params)
+
+
+def _mesh(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(ctx.device.type, (ctx.world_size,))
+
+
+def _params_full(model: nn.Module) -> dict:
+    """Parameters by name, DTensors gathered to full tensors (a collective: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in model.named_parameters()}
+
+
+def fsdp2_memory_rank(ctx, width: int = 4096, layers: int = 8, batch: int = 8) -> dict:
+    """FSDP2 with bf16 compute / fp32 master weights and Adam; memory against chapter 07's formula.
+
+    Per rank, for Ψ parameters sharded over N ranks (bytes):
+
+        fp32 parameter shard      4Ψ/N
+        fp32 gradient shard       4Ψ/N
+        Adam exp_avg, exp_avg_sq  8Ψ/N
+        steady state             16Ψ/N   (plain DDP keeps 16Ψ on every rank)
+
+    plus, only while a layer computes, its all-gathered bf16 parameters (2Ψ_layer) and its unsharded
+    gradient. Measured with ``torch.cuda.memory_allocated`` after sharding (expect 4Ψ/N) and after
+    one optimizer step (expect 16Ψ/N), and ``torch.cuda.max_memory_allocated`` for the peak.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dev, n = ctx.device, ctx.world_size
+    if dev.type != "cuda":  # the dry run: a small model
+        width = 256
+    mesh = _mesh(ctx)
+    for dtype in (torch.float32, torch.bfloat16):  # cuBLAS allocates its workspaces now, not inside the measurement
+        w = torch.randn(64, 64, device=dev, dtype=dtype, requires_grad=True)
+        (w @ w).sum().backward()
+    del w
+    base = _allocated(dev)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).to(dev)
+    psi = models.count_parameters(model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    after_shard = _allocated(dev)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    out = model(torch.randn(batch, width, device=dev))
+    out_dtype = str(out.dtype)
+    out.float().pow(2).mean().backward()
+    grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters()})
+    optimizer.step()
+    del out
+    steady = _allocated(dev)
+    figures = {"world_size": n, "parameters": psi, "output_dtype": out_dtype, "grad_dtypes": grad_dtypes,
+               "formula": "params 4Ψ/N + grads 4Ψ/N + Adam 8Ψ/N = 16Ψ/N bytes per rank",
+               "expected_params_MiB": 4 * psi / n / MIB, "expected_steady_MiB": 16 * psi / n / MIB}
+    expect(out_dtype == "torch.bfloat16", f"forward computed in {out_dtype}, not bf16", figures)
+    expect(grad_dtypes == ["torch.float32"], f"gradient shards are {grad_dtypes}, not fp32", figures)
+    if base is None:
+        figures["measured"] = "not on CPU (no memory counters)"
+        return figures
+    peak = torch.cuda.max_memory_allocated(dev)
+    figures.update(measured_params_MiB=(after_shard - base) / MIB, measured_steady_MiB=(steady - base) / MIB,
+                   measured_peak_MiB=(peak - base) / MIB)
+    slack = 0.05  # the input, the loss, allocator rounding
+    for what, got, want in (("after fully_shard", after_shard - base, 4 * psi / n),
+                            ("after one Adam step", steady - base, 16 * psi / n)):
+        expect(abs(got - want) <= slack * want + 2 * MIB,
+               f"{what}: {got / MIB:.1f} MiB allocated, formula {want / MIB:.1f} MiB (±{slack:.0%})", figures)
+    expect(peak >= steady, "peak below the steady state", figures)
+    return figures
+
+
+def fsdp2_parity_rank(ctx, steps: int = 3, batch: int = 4) -> dict:
+    """FSDP2 (fp32) on N ranks, each on its 1/N of the batch == one process on the whole batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    dev, n = ctx.device, ctx.world_size
+    mesh = _mesh(ctx)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)).to(dev)
+    ref = copy.deepcopy(model)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(n * batch, 16, generator=g).to(dev), torch.randn(n * batch, 16, generator=g).to(dev)
+        rows = slice(ctx.rank * batch, (ctx.rank + 1) * batch)
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()  # FSDP2 averages gradients over ranks
+        nn.functional.mse_loss(ref(x), y).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    got, want = _params_full(model), _params_full(ref)
+    figures = {"world_size": n, "steps": steps, "max_param_diff": _max_diff(got, want)}
+    _close(got, want, "FSDP2 vs one process", figures, {"rtol": 1e-5, "atol": 1e-5})
+    return figures
+
+
+def tp_parity_rank(ctx, steps: int = 3, batch: int = 8) -> dict:
+    """Megatron-style MLP with ``parallelize_module`` (ColwiseParallel, then RowwiseParallel) == one process."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dev, n = ctx.device, ctx.world_size
+    mesh = _mesh(ctx)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16 * n), nn.ReLU(), nn.Linear(16 * n, 16)).to(dev)
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    local_rows = model[0].weight.to_local().shape[0]
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(200 + step)  # every rank: the same (replicated) input
+        x, y = torch.randn(batch, 16, generator=g).to(dev), torch.randn(batch, 16, generator=g).to(dev)
+        loss, ref_loss = nn.functional.mse_loss(model(x), y), nn.functional.mse_loss(ref(x), y)
+        losses.append([loss.item(), ref_loss.item()])
+        for lo, o in ((loss, opt), (ref_loss, ref_opt)):
+            lo.backward()
+            o.step()
+            o.zero_grad()
+    got, want = _params_full(model), _params_full(ref)
+    figures = {"world_size": n, "fc1_local_rows": local_rows, "losses_tp_vs_ref": losses,
+               "max_param_diff": _max_diff(got, want)}
+    expect(local_rows == 16, f"ColwiseParallel left {local_rows} rows of 16·{n} on this rank, not 16", figures)
+    _close(got, want, "tensor parallel vs one process", figures, {"rtol": 1e-5, "atol": 1e-5})
+    return figures
+
+
+def async_rank(ctx, numel: int = 64 * 2**20, matmuls: int = 8, size: int = 4096) -> dict:
+    """Chapter 03's asynchrony: an all-reduce call returns before the all-reduce has happened.
+
+    Queue ``matmuls`` big matmuls, then ``all_reduce(t, async_op=True)``: the call returns at once,
+    ``work.is_completed()`` is still False, and only ``torch.cuda.synchronize()`` waits for it.
+    The blocking form (``async_op=False``) returns early too on NCCL: it only orders the GPU stream.
+    """
+    dev = ctx.device
+    if dev.type != "cuda":  # the dry run: small sizes, same calls
+        numel, size, matmuls = 2**16, 128, 2
+    t = torch.ones(numel, device=dev)
+    a = torch.randn(size, size, device=dev) / size**0.5
+    c = torch.empty_like(a)
+    dist.all_reduce(t)  # warm-up: the first collective may set the communicator up
+    rows = {}
+    for mode in ("async_op=True", "async_op=False"):
+        t.fill_(1.0)
+        _sync(dev)
+        for _ in range(matmuls):  # GPU work queued ahead of the collective
+            torch.matmul(a, a, out=c)
+        t0 = time.perf_counter()
+        work = dist.all_reduce(t, async_op=mode == "async_op=True")
+        returned = time.perf_counter() - t0
+        row = {"call_returned_ms": returned * 1e3}
+        if work is not None:
+            row["work_completed_at_return"] = work.is_completed()
+            work.wait()  # NCCL: the current stream waits for the collective; the host does not
+        if dev.type == "cuda":  # has the stream reached this point (after the all-reduce)?
+            event = torch.cuda.Event()
+            event.record()
+            row["stream_past_it_at_return"] = event.query()
+        _sync(dev)
+        row["synchronized_ms"] = (time.perf_counter() - t0) * 1e3
+        expect(torch.all(t == ctx.world_size).item(), f"all-reduce of ones gave {t[0].item()}, not {ctx.world_size}")
+        rows[mode] = row
+    figures = {"world_size": ctx.world_size, "bytes": numel * 4, "queued_matmuls": matmuls, "rows": rows}
+    if dev.type == "cuda":
+        expect(rows["async_op=True"]["work_completed_at_return"] is False,
+               "the all-reduce had completed when the call returned", figures)
+        for mode, r in rows.items():
+            expect(r["stream_past_it_at_return"] is False and r["call_returned_ms"] < 0.5 * r["synchronized_ms"],
+                   f"{mode}: the call did not return before the all-reduce completed", figures)
+    return figures
+
+
+def busbw_rank(ctx, sizes: tuple[int, ...] = tuple(2**k for k in (10, 14, 18, 20, 22, 24, 26, 28))) -> list[dict]:
+    """NCCL all-reduce bandwidth over message sizes, as nccl-tests reports it.
+
+    algbw = bytes / time; busbw = algbw · 2(n − 1)/n (the data each link carries in a ring
+    all-reduce). Timed with CUDA events over several iterations after a warm-up.
+    """
+    dev, n = ctx.device, ctx.world_size
+    if dev.type != "cuda":
+        sizes = tuple(s for s in sizes if s <= 2**20)
+    rows = []
+    for nbytes in sizes:
+        t = torch.full((nbytes // 4,), float(ctx.rank + 1), device=dev)
+        dist.all_reduce(t)
+        expect(torch.all(t == n * (n + 1) / 2).item(), f"all-reduce of {nbytes} B gave {t[0].item()}")
+        t.zero_()  # stays 0 under repeated SUMs
+        iters = 5 if dev.type != "cuda" else (20 if nbytes >= 2**24 else 50)
+        for _ in range(3):
+            dist.all_reduce(t)
+        with Timer(dev) as timer:
+            for _ in range(iters):
+                dist.all_reduce(t)
+        seconds = timer.ms / 1e3 / iters
+        algbw = nbytes / seconds / 1e9
+        rows.append({"bytes": nbytes, "time_us": seconds * 1e6, "algbw_GBps": algbw,
+                     "busbw_GBps": algbw * 2 * (n - 1) / n})
+    return rows
+
+
+def syncbn_rank(ctx, batch: int = 4, channels: int = 3) -> dict:
+    """SyncBatchNorm over N ranks == BatchNorm2d on their combined batch: outputs, running
+    statistics, input gradients (the chapter's ``apply_sync_batchnorm`` + DDP)."""
+    dev, n = ctx.device, ctx.world_size
+    g = torch.Generator().manual_seed(7)
+    x_all = torch.randn(n * batch, channels, 4, 4, generator=g) * 2 + 1
+    w_all = torch.randn(n * batch, channels, 4, 4, generator=g)  # a loss with a nontrivial gradient
+    rows = slice(ctx.rank * batch, (ctx.rank + 1) * batch)
+    bn = nn.Sequential(nn.BatchNorm2d(channels))
+    ref = copy.deepcopy(bn)
+    x_ref = x_all.clone().requires_grad_()
+    out_ref = ref(x_ref)
+    (out_ref * w_all).sum().backward()
+    figures = {"world_size": n}
+    if dev.type != "cuda":
+        try:
+            collectives.apply_sync_batchnorm(bn, ctx)
+        except RuntimeError as exc:
+            figures["dry_run"] = f"refused on CPU as the chapter says: {str(exc)[:60]}…"
+            return figures
+        raise CheckFailed("apply_sync_batchnorm accepted a CPU rank", figures)
+    model = nn.parallel.DistributedDataParallel(collectives.apply_sync_batchnorm(bn, ctx), device_ids=[dev.index])
+    x = x_all[rows].to(dev).requires_grad_()
+    out = model(x)
+    (out * w_all[rows].to(dev)).sum().backward()
+    got = {"output": out, "input_grad": x.grad, "running_mean": model.module[0].running_mean,
+           "running_var": model.module[0].running_var, "weight_grad_x_N": model.module[0].weight.grad * n}
+    want = {"output": out_ref[rows], "input_grad": x_ref.grad[rows], "running_mean": ref[0].running_mean,
+            "running_var": ref[0].running_var, "weight_grad_x_N": ref[0].weight.grad}
+    figures["max_diff"] = _max_diff(got, want)
+    _close(got, want, "SyncBatchNorm vs BatchNorm on the combined batch", figures)
+    return figures
+
+
+RANK_TASKS: dict[str, Callable] = {"fsdp2_memory": fsdp2_memory_rank, "fsdp2_parity": fsdp2_parity_rank,
+                                   "tp_parity": tp_parity_rank, "async": async_rank, "busbw": busbw_rank,
+                                   "syncbn": syncbn_rank}
+
+
+def _ranks(task: str, w: Where, nprocs: int, timeout_s: float = 120.0, **params) -> dict:
+    cfg = RankConfig(task=task, backend=w.backend, params=params)
+    return _run(rank_worker, cfg, nprocs, w, timeout_s).values
+
+
+# ---------------------------------------------------------------------------------------------
+# the items, in the order they run (one GPU first, then two or more)
+
+
+@item("nccl_world_size_1", chapter="00_setup, 02_ddp", min_gpus=1, timeout_s=120,
+      what="launch with backend nccl, world size 1: the rank joins, is on cuda:0 and all-reduces")
+def nccl_world_size_1(w: Where) -> dict:
+    rec = _run(env.hello, env.HelloConfig(backend=w.backend), 1, w).values[0]
+    figures = {k: rec[k] for k in ("backend", "device", "world_size", "rank_sum")}
+    expect(rec["backend"] == w.backend, f"backend {rec['backend']}, not {w.backend}", figures)
+    expect(rec["device"] == ("cuda:0" if w.cuda else "cpu"), f"device {rec['device']}", figures)
+    expect(rec["world_size"] == 1 and rec["rank_sum"] == 0, "all-reduce of the ranks is not 0", figures)
+    return figures
+
+
+def _ddp_config(w: Where, name: str) -> ddp.DDPConfig:
+    return ddp.DDPConfig(dataset="synthetic", batch_size=8, epochs=1, max_steps=3, lr=0.05, evaluate=False,
+                         checkpoint=str(w.workdir / name), backend=w.backend)
+
+
+@item("ddp_cuda0_vs_cpu", chapter="02_ddp", min_gpus=1, timeout_s=150,
+      what="the chapter-02 DDP worker on cuda:0 (NCCL, 1 rank) gives the CPU parameters (fp32, no TF32)")
+def ddp_cuda0_vs_cpu(w: Where) -> dict:
+    cfg = _ddp_config(w, "ddp1.pt")
+    result = _run(ddp.worker, cfg, 1, w)
+    got = torch.load(cfg.checkpoint, map_location="cpu", weights_only=True)["model"]
+    want = ddp.combined_batch_reference(cfg, 1).state_dict()
+    figures = {"steps": result.values[0]["steps"], "max_param_diff": _max_diff(got, want), "tolerance": FP32_TOL}
+    _close(got, want, "DDP on the GPU vs one CPU process", figures)
+    return figures
+
+
+@item("device_basics", chapter="01_single_device, 02_ddp", min_gpus=1, timeout_s=90,
+      what="torch.cuda.set_device, a pinned-memory loader with non_blocking copies, bf16 autocast")
+def device_basics(w: Where) -> dict:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    dev = torch.device("cuda", 0) if w.cuda else torch.device("cpu")
+    figures: dict = {"device": str(dev)}
+    if w.cuda:
+        torch.cuda.set_device(dev)
+        figures["current_device"] = torch.cuda.current_device()
+        expect(figures["current_device"] == 0, "set_device(0) did not make cuda:0 current", figures)
+        if w.gpus >= 2:  # what env.distributed does in rank 1: plain "cuda" now means cuda:1
+            torch.cuda.set_device(1)
+            figures["plain_cuda_after_set_device_1"] = str(torch.zeros(1, device="cuda").device)
+            torch.cuda.set_device(dev)
+            expect(figures["plain_cuda_after_set_device_1"] == "cuda:1", "set_device(1) did not move 'cuda'", figures)
+        if not torch.cuda.is_bf16_supported():
+            raise Skip(f"{torch.cuda.get_device_name(0)} has no bf16")
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 10, (64,), generator=g))
+    loader = DataLoader(ds, batch_size=16, pin_memory=w.cuda)
+    x, y = next(iter(loader))
+    figures["pinned"] = x.is_pinned() if w.cuda else "not on CPU"
+    expect(figures["pinned"] in (True, "not on CPU"), "pin_memory=True gave unpinned batches", figures)
+    xd, yd = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+    _sync(dev)
+    expect(torch.equal(xd.cpu(), x) and torch.equal(yd.cpu(), y), "non_blocking copy changed the batch", figures)
+    torch.manual_seed(0)
+    model = models.ArticleCNN().to(dev)
+    with torch.no_grad():
+        fp32 = model(xd)
+    with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+        out = model(xd)
+        loss = nn.functional.cross_entropy(out, yd)
+    loss.backward()
+    rel = ((out.float() - fp32).norm() / fp32.norm()).item()
+    figures.update(autocast_output_dtype=str(out.dtype), grad_dtypes=sorted({str(p.grad.dtype) for p in model.parameters()}),
+                   bf16_vs_fp32_rel_error=rel)
+    expect(out.dtype == torch.bfloat16, f"autocast output is {out.dtype}", figures)
+    expect(figures["grad_dtypes"] == ["torch.float32"], "gradients are not fp32 (the parameters' dtype)", figures)
+    expect(rel < 2e-2, f"bf16 output differs from fp32 by {rel:.3g} (relative), more than 2e-2", figures)
+    return figures
+
+
+@item("fsdp2_memory", chapter="07_sharding", min_gpus=1, timeout_s=150,
+      what="fully_shard + MixedPrecisionPolicy(bf16, fp32 reduce), Adam: memory_allocated vs 16Ψ/N (all GPUs)")
+def fsdp2_memory(w: Where) -> dict:
+    return _ranks("fsdp2_memory", w, w.nprocs)[0]
+
+
+@item("cuda_event_timing", chapter="09_performance", min_gpus=1, timeout_s=90,
+      what="CUDA-event timing: matmul FLOP/s (fp32 without TF32, bf16), a training step; host time without synchronize")
+def cuda_event_timing(w: Where) -> dict:
+    dev = torch.device("cuda", 0) if w.cuda else torch.device("cpu")
+    n, iters = (8192, 10) if w.cuda else (256, 2)
+    figures: dict = {"n": n, "iters": iters}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+        for _ in range(2):
+            a @ b
+        _sync(dev)
+        t0 = time.perf_counter()
+        with Timer(dev) as timer:
+            for _ in range(iters):
+                a @ b
+            host_ms = (time.perf_counter() - t0) * 1e3  # before the GPU is waited for
+        name = str(dtype).removeprefix("torch.")
+        figures[f"matmul_{name}_ms"] = timer.ms / iters
+        figures[f"matmul_{name}_TFLOPs"] = 2 * n**3 / (timer.ms / iters / 1e3) / 1e12
+        figures[f"host_loop_{name}_ms"] = host_ms
+        expect(timer.ms > 0, "the events measured no time", figures)
+        if w.cuda:
+            expect(host_ms < timer.ms, "the host loop did not return before the GPU finished", figures)
+    torch.manual_seed(0)
+    model = models.ArticleCNN().to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(256, 3, 32, 32, device=dev), torch.randint(0, 10, (256,), device=dev)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    step()
+    with Timer(dev) as timer:
+        for _ in range(iters):
+            step()
+    figures["cnn_step_batch256_ms"] = timer.ms / iters
+    return figures
+
+
+@item("nccl_async", chapter="03_ddp_internals", min_gpus=1, timeout_s=120,
+      what="an NCCL all-reduce returns before it completes: call time vs synchronize, work.is_completed()")
+def nccl_async(w: Where) -> dict:
+    return _ranks("async", w, w.nprocs)[0]
+
+
+@item("ddp_nccl_vs_one_process", chapter="02_ddp", min_gpus=2, timeout_s=150,
+      what="DDP on NCCL with one rank per GPU == one CPU process on the combined batch")
+def ddp_nccl_vs_one_process(w: Where) -> dict:
+    cfg = _ddp_config(w, "ddpn.pt")
+    _run(ddp.worker, cfg, w.nprocs, w)
+    got = torch.load(cfg.checkpoint, map_location="cpu", weights_only=True)["model"]
+    want = ddp.combined_batch_reference(cfg, w.nprocs).state_dict()
+    alone = ddp.combined_batch_reference(cfg, 1).state_dict()
+    figures = {"world_size": w.nprocs, "max_param_diff": _max_diff(got, want),
+               "control_rank0_alone_diff": _max_diff(got, alone), "tolerance": FP32_TOL}
+    _close(got, want, "DDP on NCCL vs one process", figures)
+    expect(figures["control_rank0_alone_diff"] > 10 * FP32_TOL["atol"], "the control does not differ: "
+           "the comparison could not have failed", figures)
+    return figures
+
+
+@item("sync_batchnorm", chapter="03_ddp_internals", min_gpus=2, timeout_s=120,
+      what="SyncBatchNorm on N GPUs == BatchNorm2d on the combined batch (outputs, statistics, gradients)")
+def sync_batchnorm(w: Where) -> dict:
+    return _ranks("syncbn", w, w.nprocs)[0]
+
+
+@item("naive_split", chapter="04_model_parallel", min_gpus=2, timeout_s=90,
+      what="the article's MLP split over cuda:0 and cuda:1 (NaiveModelParallel) == the unsplit model")
+def naive_split(w: Where) -> dict:
+    cfg = pipeline.PipelineConfig(steps=3, batch_size=64)
+    devices = pipeline.naive_devices() if w.cuda else [torch.device("cpu")] * 2
+    figures: dict = {"devices": [str(d) for d in devices]}
+    if w.cuda:
+        expect(figures["devices"] == ["cuda:0", "cuda:1"], "naive_devices() is not cuda:0, cuda:1", figures)
+    model, evs = pipeline.train_naive(cfg, devices)
+    figures["stage_devices"] = [str(next(st.parameters()).device) for st in model.stages]
+    expect(figures["stage_devices"] == figures["devices"], "a stage is not on its device", figures)
+    ref, _ = pipeline.unsplit_reference(cfg)
+    got = {str(i): p for i, p in enumerate(model.parameters())}
+    want = {str(i): p for i, p in enumerate(ref.parameters())}
+    figures["max_param_diff"] = _max_diff(got, want)
+    figures["bubble_measured_last_step"] = pipeline.bubble_measured([e for e in evs if e["step"] == cfg.steps])
+    figures["note"] = HOST_CLOCK_NOTE
+    _close(got, want, "naive split vs unsplit model", figures)
+    return figures
+
+
+@item("pipeline_stages", chapter="04_model_parallel", min_gpus=2, timeout_s=300,
+      what="one pipeline stage per GPU (torch.distributed.pipelining GPipe/1F1B) == unsplit; bubble table")
+def pipeline_stages(w: Where) -> dict:
+    rows = []
+    for schedule, m in (("gpipe", 1), ("gpipe", 4), ("1f1b", 4), ("1f1b", 8)):
+        cfg = pipeline.PipelineConfig(schedule=schedule, n_microbatches=m, batch_size=64, steps=3, backend=w.backend)
+        result = _run(pipeline.worker, cfg, 2, w)
+        got = pipeline.gather_params(result.run_dir, cfg, 2)
+        ref, losses = pipeline.unsplit_reference(cfg)
+        evs = pipeline.events(runlog.read_run(result.run_dir), step=cfg.steps)
+        times = result.values[1]["step_times_s"]
+        rows.append({"schedule": schedule, "microbatches": m, "bubble_formula": pipeline.bubble_formula(2, m),
+                     "bubble_measured": pipeline.bubble_measured(evs), "step_ms": 1e3 * min(times),
+                     "max_param_diff": _max_diff(got, ref.state_dict()),
+                     "max_loss_diff": max(abs(a - b) for a, b in zip(result.values[1]["losses"], losses))})
+        _close(got, ref.state_dict(), f"{schedule} m={m} vs unsplit", {"rows": rows})
+    return {"stages": 2, "rows": rows, "note": HOST_CLOCK_NOTE}
+
+
+@item("allreduce_busbw", chapter="09_performance", min_gpus=2, timeout_s=150,
+      what="NCCL all-reduce over 1 KiB … 256 MiB on all GPUs: time, algbw, busbw = algbw·2(n−1)/n")
+def allreduce_busbw(w: Where) -> dict:
+    return {"world_size": w.nprocs, "rows": _ranks("busbw", w, w.nprocs)[0]}
+
+
+@item("tp_parity", chapter="08_tensor_parallel", min_gpus=2, timeout_s=120,
+      what="parallelize_module(ColwiseParallel, RowwiseParallel) on all GPUs == one process")
+def tp_parity(w: Where) -> dict:
+    return _ranks("tp_parity", w, w.nprocs)[0]
+
+
+@item("fsdp2_parity", chapter="07_sharding", min_gpus=2, timeout_s=120,
+      what="fully_shard on all GPUs, each rank on its part of the batch == one process on the whole batch")
+def fsdp2_parity(w: Where) -> dict:
+    return _ranks("fsdp2_parity", w, w.nprocs)[0]

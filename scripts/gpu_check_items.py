@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mgtutorial import RunResult, collectives, ddp, env, launch, models, pipeline, runlog
+from mgtutorial import RunResult, ddp, ddp_internals, env, launch, model_parallel, models, pipeline, runlog, timeline
 
 # NVIDIA's libraries read this: no TF32 in cuBLAS/cuDNN, so GPU results compare with CPU fp32 ones
 NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}
@@ -413,12 +413,12 @@ def syncbn_rank(ctx, batch: int = 4, channels: int = 3) -> dict:
     figures = {"world_size": n}
     if dev.type != "cuda":
         try:
-            collectives.apply_sync_batchnorm(bn, ctx)
+            ddp_internals.apply_sync_batchnorm(bn, ctx)
         except RuntimeError as exc:
             figures["dry_run"] = f"refused on CPU as the chapter says: {str(exc)[:60]}…"
             return figures
         raise CheckFailed("apply_sync_batchnorm accepted a CPU rank", figures)
-    model = nn.parallel.DistributedDataParallel(collectives.apply_sync_batchnorm(bn, ctx), device_ids=[dev.index])
+    model = nn.parallel.DistributedDataParallel(ddp_internals.apply_sync_batchnorm(bn, ctx), device_ids=[dev.index])
     x = x_all[rows].to(dev).requires_grad_()
     out = model(x)
     (out * w_all[rows].to(dev)).sum().backward()
@@ -596,18 +596,18 @@ def sync_batchnorm(w: Where) -> dict:
       what="the article's MLP split over cuda:0 and cuda:1 (NaiveModelParallel) == the unsplit model")
 def naive_split(w: Where) -> dict:
     cfg = pipeline.PipelineConfig(steps=3, batch_size=64)
-    devices = pipeline.naive_devices() if w.cuda else [torch.device("cpu")] * 2
+    devices = model_parallel.naive_devices() if w.cuda else [torch.device("cpu")] * 2
     figures: dict = {"devices": [str(d) for d in devices]}
     if w.cuda:
         expect(figures["devices"] == ["cuda:0", "cuda:1"], "naive_devices() is not cuda:0, cuda:1", figures)
-    model, evs = pipeline.train_naive(cfg, devices)
+    model, evs = model_parallel.train_naive(cfg, devices)
     figures["stage_devices"] = [str(next(st.parameters()).device) for st in model.stages]
     expect(figures["stage_devices"] == figures["devices"], "a stage is not on its device", figures)
     ref, _ = pipeline.unsplit_reference(cfg)
     got = {str(i): p for i, p in enumerate(model.parameters())}
     want = {str(i): p for i, p in enumerate(ref.parameters())}
     figures["max_param_diff"] = _max_diff(got, want)
-    figures["bubble_measured_last_step"] = pipeline.bubble_measured([e for e in evs if e["step"] == cfg.steps])
+    figures["bubble_measured_last_step"] = timeline.bubble_measured([e for e in evs if e["step"] == cfg.steps])
     figures["note"] = HOST_CLOCK_NOTE
     _close(got, want, "naive split vs unsplit model", figures)
     return figures
@@ -622,10 +622,10 @@ def pipeline_stages(w: Where) -> dict:
         result = _run(pipeline.worker, cfg, 2, w)
         got = pipeline.gather_params(result.run_dir, cfg, 2)
         ref, losses = pipeline.unsplit_reference(cfg)
-        evs = pipeline.events(runlog.read_run(result.run_dir), step=cfg.steps)
+        evs = timeline.events(runlog.read_run(result.run_dir), step=cfg.steps)
         times = result.values[1]["step_times_s"]
-        rows.append({"schedule": schedule, "microbatches": m, "bubble_formula": pipeline.bubble_formula(2, m),
-                     "bubble_measured": pipeline.bubble_measured(evs), "step_ms": 1e3 * min(times),
+        rows.append({"schedule": schedule, "microbatches": m, "bubble_formula": timeline.bubble_formula(2, m),
+                     "bubble_measured": timeline.bubble_measured(evs), "step_ms": 1e3 * min(times),
                      "max_param_diff": _max_diff(got, ref.state_dict()),
                      "max_loss_diff": max(abs(a - b) for a, b in zip(result.values[1]["losses"], losses))})
         _close(got, ref.state_dict(), f"{schedule} m={m} vs unsplit", {"rows": rows})

@@ -221,6 +221,45 @@ def print_table(rows: list[tuple[str, str, dict]]) -> None:
         print(f"{label:<34}{unit:<10}" + "".join(f"{s[k]:>10.3f}" for k in ("median", "min", "max")))
 
 
+def batch_sweep(batches: list[int], repeats: int) -> dict:
+    """(c) ``ceiling_2v1`` and ``scaling_2v1_by_batch`` (chapter 09), in one run.
+
+    Per repeat, with :func:`mgtutorial.perf.step_worker` on digits over the per-rank ``batches``:
+    one 1-rank training alone, then two independent 1-rank trainings at the same time (2 ranks with
+    ``independent=True``: no DDP, no collectives; the ceiling), then DDP on 2 ranks. Ratios by
+    :func:`mgtutorial.costmodel.scaling_ratios`; medians over repeats.
+    """
+    from mgtutorial import costmodel, perf
+
+    cfg = perf.StepConfig(dataset="digits", backend="gloo", warmup=3, steps=15,
+                          variants=[{"batch_size": b} for b in batches])
+    per_repeat = []
+    tmp = Path(tempfile.mkdtemp(prefix="mgtutorial-batch-"))
+    try:
+        for i in range(repeats):
+            def run(c, n):  # one job at a time; each rank starts each batch size after a barrier
+                return launch(perf.step_worker, c, n, runs_dir=tmp, threads_per_rank=1).wait(timeout=RUN_TIMEOUT_S).values
+            alone = run(dataclasses.replace(cfg, independent=True), 1)[0]
+            pair = run(dataclasses.replace(cfg, independent=True), 2)  # 2 ranks, each training alone
+            ddp2 = run(cfg, 2)
+            per_repeat.append(costmodel.scaling_ratios(alone, [pair[0], pair[1]], [ddp2[0], ddp2[1]]))
+            print(f"[batch sweep {i + 1}/{repeats}] " + ", ".join(
+                f"b={r['batch_size']}: {r['scaling_2v1']:.2f}/{r['ceiling_2v1']:.2f}" for r in per_repeat[-1]), flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    med = {key: {str(b): statistics.median(rep[j][key] for rep in per_repeat) for j, b in enumerate(batches)}
+           for key in ("ceiling_2v1", "scaling_2v1", "fraction")}
+    ceiling = statistics.median(r["ceiling_2v1"] for rep in per_repeat for r in rep)
+    best = max(med["scaling_2v1"], key=med["scaling_2v1"].get)
+    print(f"\n{'per-rank batch':<16}{'scaling_2v1':>12}{'ceiling_2v1':>12}{'fraction':>10}")
+    for b in map(str, batches):
+        print(f"{b:<16}{med['scaling_2v1'][b]:>12.3f}{med['ceiling_2v1'][b]:>12.3f}{med['fraction'][b]:>10.3f}")
+    return {"ceiling_2v1": ceiling, "ceiling_2v1_by_batch": med["ceiling_2v1"],
+            "scaling_2v1_by_batch": med["scaling_2v1"], "best_batch": int(best),
+            "raw_batch_sweep": per_repeat,
+            "aim_best_scaling_ge_0.9_ceiling": med["scaling_2v1"][best] >= 0.9 * ceiling}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -228,6 +267,8 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=6,
                         help="passes over digits per rank-equivalent in (b): 1 rank trains EPOCHS "
                              "epochs, 2 ranks 2×EPOCHS (each rank the same number of steps)")
+    parser.add_argument("--batches", type=int, nargs="*", default=[32, 64, 128, 256],
+                        help="(c) per-rank batch sizes of the ceiling/scaling sweep (none: skip it)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be ≥ 1")
@@ -300,6 +341,10 @@ def main() -> int:
         },
         "note": "measured, not asserted on; numbers depend on the machine and its load.",
     }
+    if args.batches:
+        sweep = batch_sweep(args.batches, args.repeats)
+        report["aims"]["best scaling_2v1_by_batch >= 0.9 × ceiling_2v1"] = sweep.pop("aim_best_scaling_ge_0.9_ceiling")
+        report.update(sweep)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -253,3 +253,25 @@ def article_cnn_flops(batch: int, in_shape: tuple[int, int, int] = (3, 32, 32), 
     conv = conv2d_flops(batch, c, channels, kernel, conv_out_size(h, kernel), conv_out_size(w, kernel))
     flat = cnn_flatten_size(in_shape, channels, kernel)
     return conv + linear_flops(batch, flat, hidden) + linear_flops(batch, hidden, classes)
+
+
+def scaling_ratios(alone: list[dict], pair: list[list[dict]], ddp_ranks: list[list[dict]]) -> list[dict]:
+    """Per batch size: the 2-rank ceiling, DDP's 2-rank scaling, and how close DDP gets to the ceiling.
+
+    Inputs are :func:`mgtutorial.perf.step_worker` results (one dict per batch size, same order):
+    ``alone`` of one 1-rank training, ``pair`` of two 1-rank trainings run at the same time,
+    ``ddp_ranks`` of each rank of one 2-rank DDP training. Throughputs are ``samples_per_s``:
+
+    * ``ceiling_2v1`` = (pair₀ + pair₁) / alone: what the machine gives two ranks with no
+      communication at all (2.0 if the two cores are truly independent);
+    * ``scaling_2v1`` = (DDP rank 0 + rank 1) / alone;
+    * ``fraction`` = scaling_2v1 / ceiling_2v1 (the chapter's aim: ≥ 0.9).
+    """
+    rows = []
+    for i, one in enumerate(alone):
+        base = one["samples_per_s"]
+        ceiling = sum(p[i]["samples_per_s"] for p in pair) / base
+        scaling = sum(r[i]["samples_per_s"] for r in ddp_ranks) / base
+        rows.append({"batch_size": one["batch_size"], "ceiling_2v1": ceiling, "scaling_2v1": scaling,
+                     "fraction": scaling / ceiling})
+    return rows

@@ -201,6 +201,9 @@ class StepConfig(ddp.DDPConfig):
     """Steps per variant that are not counted."""
     steps: int = 10
     """Timed steps per variant."""
+    independent: bool = False
+    """Each rank trains alone (no DDP, no collectives) on the whole data set: N independent trainings
+    at once, the machine's ceiling. Either way all ranks start each variant together (a barrier)."""
 
     def validate(self, world_size: int) -> None:
         """DDPConfig's checks, plus warmup ≥ 1 (DDP rebuilds its buckets after step 1) and steps ≥ 2."""
@@ -216,21 +219,24 @@ class StepConfig(ddp.DDPConfig):
 def step_worker(cfg: StepConfig) -> list[dict]:
     """Train each variant of ``cfg`` and return the median phase times per variant (rank's view).
 
-    Returns dicts: the variant, ``world_size``, ``fwd_s``, ``bwd_s``, ``opt_s``, ``step_s``
+    Returns dicts: the variant, ``world_size`` (1 per rank when ``independent``), ``fwd_s``, ``bwd_s``, ``opt_s``, ``step_s``
     (medians over the timed steps), ``samples_per_s`` (this rank), ``step_times`` (s).
     """
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
+        own = dataclasses.replace(ctx, rank=0, world_size=1, initialized=False) if cfg.independent else ctx
         out = []
         for variant in cfg.variants:
             kwargs = {k: v for k, v in variant.items() if k != "batch_size"}
             run_cfg = dataclasses.replace(cfg, batch_size=variant.get("batch_size", cfg.batch_size),
                                           max_steps=cfg.warmup + cfg.steps, epochs=10_000, evaluate=False)
-            model, train_set, test_set, optimizer = ddp.build(run_cfg, ctx, wrap=functools.partial(ddp.apply_ddp, **kwargs))
-            trainer = TimedTrainer(model, train_set, test_set, optimizer, ctx, run_cfg)
+            model, train_set, test_set, optimizer = ddp.build(run_cfg, own, wrap=functools.partial(ddp.apply_ddp, **kwargs))
+            trainer = TimedTrainer(model, train_set, test_set, optimizer, own, run_cfg)
+            if ctx.initialized:
+                dist.barrier()
             trainer.train()
             timed = trainer.phases[cfg.warmup:]
             steps = [b[0] - a[0] for a, b in zip(timed, timed[1:])]
-            out.append({**variant, "world_size": ctx.world_size, "step_times": steps,
+            out.append({**variant, "world_size": own.world_size, "step_times": steps,
                         **{k: statistics.median(p[i] for p in timed) for i, k in enumerate(("fwd_s", "bwd_s", "opt_s"), 1)},
                         "step_s": statistics.median(steps), "samples_per_s": run_cfg.batch_size / statistics.median(steps)})
         return out

@@ -168,14 +168,26 @@ class TimedTrainer(ddp.Trainer):
 
     ``self.phases`` gets one ``(start, fwd_s, bwd_s, opt_s)`` tuple per step (perf_counter s);
     the time between two starts is the whole step (data loading and logging included). On a GPU the
-    phases end with :func:`sync`, which costs some overlap but makes the split honest.
+    phases end with :func:`sync`, which costs some overlap but makes the split honest. Step number
+    ``profile_step`` (if set) runs under ``torch.profiler`` and its Chrome trace goes to ``trace``.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, profile_step: int | None = None, trace: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.phases: list[tuple[float, float, float, float]] = []
+        self.profile_step, self.trace = profile_step, trace
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self.step != self.profile_step:
+            return self._timed_batch(x, y)
+        from torch.profiler import ProfilerActivity, profile
+        cuda = [ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else []
+        with profile(activities=[ProfilerActivity.CPU, *cuda]) as prof:
+            loss = self._timed_batch(x, y)
+        prof.export_chrome_trace(self.trace)
+        return loss
+
+    def _timed_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(x), y)
@@ -204,6 +216,9 @@ class StepConfig(ddp.DDPConfig):
     independent: bool = False
     """Each rank trains alone (no DDP, no collectives) on the whole data set: N independent trainings
     at once, the machine's ceiling. Either way all ranks start each variant together (a barrier)."""
+    profile: bool = False
+    """Train one more step of the first variant under ``torch.profiler`` (not timed); each rank
+    writes its Chrome trace to ``<run dir>/trace_rank<r>.json``."""
 
     def validate(self, world_size: int) -> None:
         """DDPConfig's checks, plus warmup ≥ 1 (DDP rebuilds its buckets after step 1) and steps ≥ 2."""
@@ -219,60 +234,34 @@ class StepConfig(ddp.DDPConfig):
 def step_worker(cfg: StepConfig) -> list[dict]:
     """Train each variant of ``cfg`` and return the median phase times per variant (rank's view).
 
-    Returns dicts: the variant, ``world_size`` (1 per rank when ``independent``), ``fwd_s``, ``bwd_s``, ``opt_s``, ``step_s``
-    (medians over the timed steps), ``samples_per_s`` (this rank), ``step_times`` (s).
+    Returns dicts: the variant, ``world_size`` (1 per rank when ``independent``), ``fwd_s``,
+    ``bwd_s``, ``opt_s``, ``step_s`` (medians over the timed steps), ``samples_per_s`` (this rank),
+    ``step_times`` (s). With ``profile``, the first also has ``trace`` (its path) and ``grad_bytes``
+    (per parameter, in the order backward produces them here, for
+    :func:`mgtutorial.costmodel.bucket_layout`).
     """
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
         own = dataclasses.replace(ctx, rank=0, world_size=1, initialized=False) if cfg.independent else ctx
-        out = []
-        for variant in cfg.variants:
+        out, n = [], cfg.warmup + cfg.steps
+        for i, variant in enumerate(cfg.variants):
             kwargs = {k: v for k, v in variant.items() if k != "batch_size"}
+            extra = {"trace": str(runlog.run_dir() / f"trace_rank{ctx.rank}.json")} if cfg.profile and i == 0 else {}
             run_cfg = dataclasses.replace(cfg, batch_size=variant.get("batch_size", cfg.batch_size),
-                                          max_steps=cfg.warmup + cfg.steps, epochs=10_000, evaluate=False)
+                                          max_steps=n + len(extra), epochs=10_000, evaluate=False)
             model, train_set, test_set, optimizer = ddp.build(run_cfg, own, wrap=functools.partial(ddp.apply_ddp, **kwargs))
-            trainer = TimedTrainer(model, train_set, test_set, optimizer, own, run_cfg)
+            trainer = TimedTrainer(model, train_set, test_set, optimizer, own, run_cfg,
+                                   profile_step=n if extra else None, trace=extra.get("trace"))
             if ctx.initialized:
                 dist.barrier()
             trainer.train()
-            timed = trainer.phases[cfg.warmup:]
-            steps = [b[0] - a[0] for a, b in zip(timed, timed[1:])]
-            out.append({**variant, "world_size": own.world_size, "step_times": steps,
+            timed, starts = trainer.phases[cfg.warmup:n], [p[0] for p in trainer.phases[cfg.warmup:n + 1]]
+            steps = [b - a for a, b in zip(starts, starts[1:])]
+            if extra:
+                extra["grad_bytes"] = [p.numel() * p.element_size() for p in reversed(list(model.parameters()))]
+            out.append({**variant, **extra, "world_size": own.world_size, "step_times": steps,
                         **{k: statistics.median(p[i] for p in timed) for i, k in enumerate(("fwd_s", "bwd_s", "opt_s"), 1)},
                         "step_s": statistics.median(steps), "samples_per_s": run_cfg.batch_size / statistics.median(steps)})
         return out
-
-
-@dataclass(kw_only=True)
-class ProfileConfig(ddp.DDPConfig):
-    """:class:`~mgtutorial.ddp.DDPConfig` for :func:`profile_worker`: warm-up steps, then one profiled."""
-
-    bucket_cap_mb: float | None = None
-    """DDP's bucket size in MiB (None: DDP's default, 25 MiB with a 1 MiB first bucket)."""
-
-
-def profile_worker(cfg: ProfileConfig) -> dict:
-    """Train ``max_steps`` steps (default 3), then one more under ``torch.profiler``.
-
-    Each rank writes its Chrome trace to ``<run dir>/trace_rank<r>.json``. Returns ``trace``
-    (that path) and ``grad_bytes`` (per parameter, in reverse registration order, the order
-    backward produces them here; :func:`mgtutorial.costmodel.bucket_layout` turns them into buckets).
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
-        wrap = functools.partial(ddp.apply_ddp, bucket_cap_mb=cfg.bucket_cap_mb)
-        model, train_set, test_set, optimizer = ddp.build(cfg, ctx, wrap=wrap)
-        trainer = ddp.Trainer(model, train_set, test_set, optimizer, ctx, cfg)
-        batches = ((x.to(ctx.device), y.to(ctx.device)) for x, y in trainer.loader)
-        for _ in range(cfg.max_steps or 3):
-            trainer._run_batch(*next(batches))
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
-        x, y = next(batches)
-        with profile(activities=activities) as prof:
-            trainer._run_batch(x, y)
-        path = runlog.run_dir() / f"trace_rank{ctx.rank}.json"
-        prof.export_chrome_trace(str(path))
-        return {"trace": str(path), "grad_bytes": [p.numel() * p.element_size() for p in reversed(list(model.parameters()))]}
 
 
 COMM_NAMES = ("all_reduce", "allreduce")

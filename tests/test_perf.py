@@ -125,10 +125,12 @@ def test_bad_sweep_and_step_configs_refused_before_start(runs):
 
 @pytest.mark.timeout(240)
 def test_profiled_ddp_step_has_one_all_reduce_per_bucket(runs, no_leftovers):
-    cfg = perf.ProfileConfig(dataset="synthetic", batch_size=8, max_steps=2, evaluate=False, backend="gloo")
-    result = launch(perf.profile_worker, cfg, 2, runs_dir=runs).wait(timeout=200)
+    cfg = perf.StepConfig(dataset="synthetic", backend="gloo", warmup=1, steps=2, profile=True,
+                          variants=[{"batch_size": 8}, {"batch_size": 4}])
+    result = launch(perf.step_worker, cfg, 2, runs_dir=runs).wait(timeout=200)
     for rank in (0, 1):
-        value = result.values[rank]
+        value, second = result.values[rank]
+        assert "trace" not in second and len(value["step_times"]) == 2  # the profiled step is not timed
         events = perf.trace_events(value["trace"])
         comm = [e for e in events if e["kind"] == "all_reduce"]
         backward = [e for e in events if e["kind"] == "backward"]

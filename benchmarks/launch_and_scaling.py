@@ -224,25 +224,22 @@ def print_table(rows: list[tuple[str, str, dict]]) -> None:
 def batch_sweep(batches: list[int], repeats: int) -> dict:
     """(c) ``ceiling_2v1`` and ``scaling_2v1_by_batch`` (chapter 09), in one run.
 
-    Per repeat, with :func:`mgtutorial.perf.step_worker` on digits over the per-rank ``batches``:
-    one 1-rank training alone, then two independent 1-rank trainings at the same time (2 ranks with
-    ``independent=True``: no DDP, no collectives; the ceiling), then DDP on 2 ranks. Ratios by
+    Per repeat, one 2-rank job of :func:`mgtutorial.perf.step_worker` on digits; for each per-rank
+    batch in turn: rank 0 training alone (rank 1 idle at a barrier), both ranks training
+    independently at once (no DDP, no collectives: the ceiling), then DDP on both. Interleaving
+    the three per batch lets a drifting machine load touch them alike. Ratios by
     :func:`mgtutorial.costmodel.scaling_ratios`; medians over repeats.
     """
     from mgtutorial import costmodel, perf
 
     cfg = perf.StepConfig(dataset="digits", backend="gloo", warmup=3, steps=15,
-                          variants=[{"batch_size": b} for b in batches])
+                          variants=[{"batch_size": b, "mode": m} for b in batches for m in ("alone", "independent", "ddp")])
     per_repeat = []
     tmp = Path(tempfile.mkdtemp(prefix="mgtutorial-batch-"))
     try:
         for i in range(repeats):
-            def run(c, n):  # one job at a time; each rank starts each batch size after a barrier
-                return launch(perf.step_worker, c, n, runs_dir=tmp, threads_per_rank=1).wait(timeout=RUN_TIMEOUT_S).values
-            alone = run(dataclasses.replace(cfg, independent=True), 1)[0]
-            pair = run(dataclasses.replace(cfg, independent=True), 2)  # 2 ranks, each training alone
-            ddp2 = run(cfg, 2)
-            per_repeat.append(costmodel.scaling_ratios(alone, [pair[0], pair[1]], [ddp2[0], ddp2[1]]))
+            values = launch(perf.step_worker, cfg, 2, runs_dir=tmp, threads_per_rank=1).wait(timeout=RUN_TIMEOUT_S).values
+            per_repeat.append(costmodel.scaling_ratios(values))
             print(f"[batch sweep {i + 1}/{repeats}] " + ", ".join(
                 f"b={r['batch_size']}: {r['scaling_2v1']:.2f}/{r['ceiling_2v1']:.2f}" for r in per_repeat[-1]), flush=True)
     finally:

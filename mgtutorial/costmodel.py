@@ -255,23 +255,24 @@ def article_cnn_flops(batch: int, in_shape: tuple[int, int, int] = (3, 32, 32), 
     return conv + linear_flops(batch, flat, hidden) + linear_flops(batch, hidden, classes)
 
 
-def scaling_ratios(alone: list[dict], pair: list[list[dict]], ddp_ranks: list[list[dict]]) -> list[dict]:
+def scaling_ratios(values: dict[int, list[dict]]) -> list[dict]:
     """Per batch size: the 2-rank ceiling, DDP's 2-rank scaling, and how close DDP gets to the ceiling.
 
-    Inputs are :func:`mgtutorial.perf.step_worker` results (one dict per batch size, same order):
-    ``alone`` of one 1-rank training, ``pair`` of two 1-rank trainings run at the same time,
-    ``ddp_ranks`` of each rank of one 2-rank DDP training. Throughputs are ``samples_per_s``:
+    ``values``: rank → :func:`mgtutorial.perf.step_worker` results of one 2-rank job whose variants
+    include, per batch size, the modes "alone", "independent" and "ddp" (variants with other DDP
+    keywords are ignored). Throughputs are ``samples_per_s``:
 
-    * ``ceiling_2v1`` = (pair₀ + pair₁) / alone: what the machine gives two ranks with no
-      communication at all (2.0 if the two cores are truly independent);
+    * ``ceiling_2v1`` = (independent rank 0 + rank 1) / alone: what the machine gives two ranks
+      with no communication at all (2.0 if the two cores are truly independent);
     * ``scaling_2v1`` = (DDP rank 0 + rank 1) / alone;
     * ``fraction`` = scaling_2v1 / ceiling_2v1 (the chapter's aim: ≥ 0.9).
     """
-    rows = []
-    for i, one in enumerate(alone):
-        base = one["samples_per_s"]
-        ceiling = sum(p[i]["samples_per_s"] for p in pair) / base
-        scaling = sum(r[i]["samples_per_s"] for r in ddp_ranks) / base
-        rows.append({"batch_size": one["batch_size"], "ceiling_2v1": ceiling, "scaling_2v1": scaling,
-                     "fraction": scaling / ceiling})
+    def pick(rank: int, mode: str) -> dict[int, float]:
+        return {v["batch_size"]: v["samples_per_s"] for v in values[rank] if v.get("mode", "ddp") == mode
+                and not v.keys() & {"bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "idle"}}
+    alone, ranks, rows = pick(0, "alone"), sorted(values), []
+    for b, base in alone.items():
+        ceiling = sum(pick(r, "independent")[b] for r in ranks) / base
+        scaling = sum(pick(r, "ddp")[b] for r in ranks) / base
+        rows.append({"batch_size": b, "ceiling_2v1": ceiling, "scaling_2v1": scaling, "fraction": scaling / ceiling})
     return rows

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from . import ddp, env, runlog
 
 KIB, MIB = 1024, 1024 * 1024
+MODES = ("ddp", "independent", "alone")
 
 
 def summarize(times: list[float]) -> dict:
@@ -207,45 +208,52 @@ class StepConfig(ddp.DDPConfig):
     """:class:`~mgtutorial.ddp.DDPConfig` plus the variants :func:`step_worker` times in turn."""
 
     variants: list[dict] = field(default_factory=lambda: [{"batch_size": 32}])
-    """Each a dict of ``batch_size`` and DDP keywords (``bucket_cap_mb``, ``gradient_as_bucket_view``,
-    ``static_graph``); every variant trains ``warmup + steps`` steps with a fresh model."""
+    """Each a dict of ``batch_size``, ``mode`` and DDP keywords (``bucket_cap_mb``,
+    ``gradient_as_bucket_view``, ``static_graph``); every variant trains ``warmup + steps`` steps with a
+    fresh model, all ranks starting it together (a barrier). ``mode``: "ddp" (default); "independent":
+    each rank trains alone (no DDP, no collectives) on the whole data set, N independent trainings at
+    once, the machine's ceiling; "alone": rank 0 trains alone while the others wait (idle) at a barrier."""
     warmup: int = 3
     """Steps per variant that are not counted."""
     steps: int = 10
     """Timed steps per variant."""
-    independent: bool = False
-    """Each rank trains alone (no DDP, no collectives) on the whole data set: N independent trainings
-    at once, the machine's ceiling. Either way all ranks start each variant together (a barrier)."""
     profile: bool = False
-    """Train one more step of the first variant under ``torch.profiler`` (not timed); each rank
-    writes its Chrome trace to ``<run dir>/trace_rank<r>.json``."""
+    """Train one more step of the first "ddp" variant under ``torch.profiler`` (not timed); each
+    rank writes its Chrome trace to ``<run dir>/trace_rank<r>.json``."""
 
     def validate(self, world_size: int) -> None:
         """DDPConfig's checks, plus warmup ≥ 1 (DDP rebuilds its buckets after step 1) and steps ≥ 2."""
         super().validate(world_size)
         if self.warmup < 1 or self.steps < 2:
             raise ValueError(f"warmup={self.warmup}, steps={self.steps}: need warmup ≥ 1 and steps ≥ 2.")
-        allowed = {"batch_size", "bucket_cap_mb", "gradient_as_bucket_view", "static_graph"}
+        allowed = {"batch_size", "mode", "bucket_cap_mb", "gradient_as_bucket_view", "static_graph"}
         for v in self.variants:
-            if set(v) - allowed:
-                raise ValueError(f"variant {v}: keys {sorted(set(v) - allowed)} are not among {sorted(allowed)}.")
+            if set(v) - allowed or v.get("mode", "ddp") not in MODES:
+                raise ValueError(f"variant {v}: keys must be among {sorted(allowed)}, mode one of {MODES}.")
 
 
 def step_worker(cfg: StepConfig) -> list[dict]:
     """Train each variant of ``cfg`` and return the median phase times per variant (rank's view).
 
-    Returns dicts: the variant, ``world_size`` (1 per rank when ``independent``), ``fwd_s``,
+    Returns dicts: the variant, ``world_size`` (1 unless "ddp"), ``fwd_s``,
     ``bwd_s``, ``opt_s``, ``step_s`` (medians over the timed steps), ``samples_per_s`` (this rank),
-    ``step_times`` (s). With ``profile``, the first also has ``trace`` (its path) and ``grad_bytes``
+    ``step_times`` (s); ``{**variant, "idle": True}`` where a rank waited. With ``profile``, the first
+    "ddp" one also has ``trace`` (its path) and ``grad_bytes``
     (per parameter, in the order backward produces them here, for
     :func:`mgtutorial.costmodel.bucket_layout`).
     """
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
-        own = dataclasses.replace(ctx, rank=0, world_size=1, initialized=False) if cfg.independent else ctx
         out, n = [], cfg.warmup + cfg.steps
+        profiled = next((i for i, v in enumerate(cfg.variants) if v.get("mode", "ddp") == "ddp"), None)
         for i, variant in enumerate(cfg.variants):
-            kwargs = {k: v for k, v in variant.items() if k != "batch_size"}
-            extra = {"trace": str(runlog.run_dir() / f"trace_rank{ctx.rank}.json")} if cfg.profile and i == 0 else {}
+            mode = variant.get("mode", "ddp")
+            if mode == "alone" and ctx.rank != 0:
+                dist.barrier()  # rank 0's start; its end is the next variant's barrier
+                out.append({**variant, "idle": True})
+                continue
+            own = ctx if mode == "ddp" else dataclasses.replace(ctx, rank=0, world_size=1, initialized=False)
+            kwargs = {k: v for k, v in variant.items() if k not in ("batch_size", "mode")}
+            extra = {"trace": str(runlog.run_dir() / f"trace_rank{ctx.rank}.json")} if cfg.profile and i == profiled else {}
             run_cfg = dataclasses.replace(cfg, batch_size=variant.get("batch_size", cfg.batch_size),
                                           max_steps=n + len(extra), epochs=10_000, evaluate=False)
             model, train_set, test_set, optimizer = ddp.build(run_cfg, own, wrap=functools.partial(ddp.apply_ddp, **kwargs))

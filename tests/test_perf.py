@@ -120,6 +120,8 @@ def test_bad_sweep_and_step_configs_refused_before_start(runs):
         launch(perf.sweep_worker, perf.SweepConfig(ops=["alltoall"]), 2, runs_dir=runs)
     with pytest.raises(ValueError, match="lr"):
         launch(perf.step_worker, perf.StepConfig(variants=[{"lr": 1.0}]), 2, runs_dir=runs)
+    with pytest.raises(ValueError, match="mode one of"):
+        launch(perf.step_worker, perf.StepConfig(variants=[{"mode": "solo"}]), 2, runs_dir=runs)
     assert not list(runs.iterdir())
 
 
@@ -146,20 +148,26 @@ def test_sweep_and_step_workers_report_every_point(runs, no_leftovers):
     steps = launch(perf.step_worker, perf.StepConfig(dataset="synthetic", backend="gloo", warmup=1, steps=3,
                                                      variants=[{"batch_size": 8}, {"batch_size": 4, "static_graph": True}]),
                    2, runs_dir=runs)
-    alone = launch(perf.step_worker, perf.StepConfig(dataset="synthetic", backend="gloo", warmup=1, steps=2,
-                                                     independent=True), 2, runs_dir=runs)
+    alone = launch(perf.step_worker, perf.StepConfig(dataset="synthetic", backend="gloo", warmup=1, steps=2, variants=[
+        {"batch_size": 8, "mode": "alone"}, {"batch_size": 8, "mode": "independent"}]), 2, runs_dir=runs)
     records = sweep.wait(timeout=200).values[0]
     assert [(r["op"], r["nbytes"]) for r in records] == [(op, s) for op in cm.COLLECTIVES for s in (4096, 65536)]
     assert all(len(r["times"]) == 2 and r["world_size"] == 2 for r in records)
     variants = steps.wait(timeout=200).values[1]
     assert [(v["batch_size"], v.get("static_graph"), len(v["step_times"])) for v in variants] == [(8, None, 2), (4, True, 2)]
     assert all(v["world_size"] == 2 for v in variants)
-    assert [v[0]["world_size"] for v in alone.wait(timeout=200).values.values()] == [1, 1]  # each rank alone
+    alone = alone.wait(timeout=200).values
+    assert alone[1][0] == {"batch_size": 8, "mode": "alone", "idle": True}  # rank 1 waited
+    assert [alone[0][0]["world_size"], alone[0][1]["world_size"], alone[1][1]["world_size"]] == [1, 1, 1]
 
 
 def test_scaling_ratios_by_hand():
-    def runs(*rates):
-        return [{"batch_size": b, "samples_per_s": r} for b, r in zip((32, 64), rates)]
-    rows = cm.scaling_ratios(runs(100, 200), [runs(90, 190), runs(100, 190)], [runs(60, 180), runs(60, 180)])
+    def runs(mode, *rates, **extra):
+        return [{"batch_size": b, "mode": mode, "samples_per_s": r, **extra} for b, r in zip((32, 64), rates)]
+    values = {0: runs("alone", 100, 200) + runs("independent", 90, 190) + runs("ddp", 60, 180)
+                 + runs("ddp", 1, 1, static_graph=True),
+              1: [{"batch_size": b, "mode": "alone", "idle": True} for b in (32, 64)] + runs("independent", 100, 190)
+                 + runs("ddp", 60, 180) + runs("ddp", 1, 1, static_graph=True)}
+    rows = cm.scaling_ratios(values)
     assert rows == [{"batch_size": 32, "ceiling_2v1": 1.9, "scaling_2v1": 1.2, "fraction": pytest.approx(1.2 / 1.9)},
                     {"batch_size": 64, "ceiling_2v1": 1.9, "scaling_2v1": 1.8, "fraction": pytest.approx(1.8 / 1.9)}]

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+import workers
 from torch.utils.flop_counter import FlopCounterMode
 
 from mgtutorial import costmodel as cm
@@ -171,3 +172,13 @@ def test_scaling_ratios_by_hand():
     rows = cm.scaling_ratios(values)
     assert rows == [{"batch_size": 32, "ceiling_2v1": 1.9, "scaling_2v1": 1.2, "fraction": pytest.approx(1.2 / 1.9)},
                     {"batch_size": 64, "ceiling_2v1": 1.9, "scaling_2v1": 1.8, "fraction": pytest.approx(1.8 / 1.9)}]
+
+
+@pytest.mark.timeout(240)
+def test_gloo_reduce_scatter_is_an_all_reduce(runs, no_leftovers):
+    """What chapter 09 says of gloo: its reduce_scatter_tensor all-reduces the whole input."""
+    jobs = {op: launch(workers.profiled_collective, workers.ProfiledCollectiveConfig(op=op), 2, runs_dir=runs)
+            for op in ("reduce_scatter", "all_gather")}
+    names = {op: job.wait(timeout=200).values for op, job in jobs.items()}
+    assert names["reduce_scatter"] == {0: ["gloo:all_reduce"], 1: ["gloo:all_reduce"]}
+    assert names["all_gather"] == {0: ["gloo:all_gather"], 1: ["gloo:all_gather"]}

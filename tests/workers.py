@@ -55,3 +55,24 @@ def finish_then_abort(cfg: AbortConfig) -> str:
             # SIGABRT shortly after the worker returned, like a crash while the process shuts down
             threading.Timer(0.3, os.abort).start()
     return "done"
+
+
+@dataclass(kw_only=True)
+class ProfiledCollectiveConfig:
+    """One call of ``op`` (see :func:`mgtutorial.perf.collective_call`) under ``torch.profiler``."""
+
+    op: str = "reduce_scatter"
+    nbytes: int = 4096
+
+
+def profiled_collective(cfg: ProfiledCollectiveConfig) -> list[str]:
+    """The names of the backend's own events (``gloo:...``) that one call of ``cfg.op`` records."""
+    import torch
+
+    from mgtutorial import perf
+
+    with env.distributed("gloo") as ctx:
+        fn = perf.collective_call(cfg.op, cfg.nbytes, ctx.world_size, ctx.device)
+        with torch.profiler.profile() as prof:
+            fn()
+        return sorted({e.name for e in prof.events() if e.name.startswith("gloo:")})

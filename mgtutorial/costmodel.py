@@ -115,11 +115,11 @@ def bucket_layout(grad_bytes: list[int], bucket_cap_bytes: int, first_bucket_byt
 
 
 def ddp_step_time(fwd_s: float, bwd_s: float, opt_s: float, bucket_bytes: list[int], alpha: float,
-                  beta: float, overlap: bool = True, extra_s: float = 0.0) -> dict:
+                  beta: float, overlap: bool = True, extra_s: float = 0.0, ready: list[float] | None = None) -> dict:
     """Predicted time of one DDP step: compute plus the communication *not* hidden behind backward.
 
-    Bucket i is ready when backward has produced its gradients; the model takes backward time to be
-    proportional to gradient bytes (bucket i is ready at ``bwd_s × bytes so far / total``). Buckets
+    Bucket i is ready when backward has produced its gradients: at ``bwd_s × ready[i]`` (the
+    fraction of backward done by then; default: proportional to the gradient bytes so far). Buckets
     are all-reduced one after another, each taking ``α + β·bytes``, none before it is ready. With
     ``overlap=False`` all of them start after backward. ``extra_s``: other per-step costs (the
     loss all-reduce of the logging, data loading).
@@ -128,10 +128,10 @@ def ddp_step_time(fwd_s: float, bwd_s: float, opt_s: float, bucket_bytes: list[i
     all-reduces), ``exposed`` (what lies after backward's end), ``hidden`` (comm − exposed).
     """
     total, done, end = sum(bucket_bytes), 0, 0.0
-    for b in bucket_bytes:
+    for i, b in enumerate(bucket_bytes):
         done += b
-        ready = bwd_s * done / total if overlap else bwd_s
-        end = max(ready, end) + alpha_beta_time(b, alpha, beta)
+        fraction = (ready[i] if ready else done / total) if overlap else 1.0
+        end = max(bwd_s * fraction, end) + alpha_beta_time(b, alpha, beta)
     comm = sum(alpha_beta_time(b, alpha, beta) for b in bucket_bytes)
     exposed = max(0.0, end - bwd_s) if bucket_bytes else 0.0
     compute = fwd_s + bwd_s + opt_s

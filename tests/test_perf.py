@@ -75,6 +75,11 @@ def test_step_time_model_by_hand():
     t = cm.ddp_step_time(1.0, 4.0, 0.5, [1, 3], alpha=0.5, beta=1.0, overlap=False, extra_s=0.25)
     assert t["exposed"] == pytest.approx(5.0) and t["step"] == pytest.approx(10.75)
     assert cm.ddp_step_time(1.0, 4.0, 0.5, [], 0.5, 1.0)["step"] == pytest.approx(5.5)
+    # bucket 0 ready after half of backward (2 s), done at 3.5 s; bucket 1 at 4 s, done 7.5 s
+    t = cm.ddp_step_time(1.0, 4.0, 0.5, [1, 3], alpha=0.5, beta=1.0, ready=[0.5, 1.0])
+    assert (t["exposed"], t["hidden"]) == pytest.approx((3.5, 1.5))
+    t = cm.ddp_step_time(1.0, 10.0, 0.0, [3, 1], alpha=0.5, beta=1.0, ready=[0.1, 1.0])  # 1 → 4.5 s; 10 → 11.5 s
+    assert (t["exposed"], t["step"]) == pytest.approx((1.5, 12.5))
 
 
 def test_flops_match_torch_flop_counter():

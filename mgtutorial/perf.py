@@ -235,12 +235,11 @@ class StepConfig(ddp.DDPConfig):
 def step_worker(cfg: StepConfig) -> list[dict]:
     """Train each variant of ``cfg`` and return the median phase times per variant (rank's view).
 
-    Returns dicts: the variant, ``world_size`` (1 unless "ddp"), ``fwd_s``,
-    ``bwd_s``, ``opt_s``, ``step_s`` (medians over the timed steps), ``samples_per_s`` (this rank),
-    ``step_times`` (s); ``{**variant, "idle": True}`` where a rank waited. With ``profile``, the first
-    "ddp" one also has ``trace`` (its path) and ``grad_bytes``
-    (per parameter, in the order backward produces them here, for
-    :func:`mgtutorial.costmodel.bucket_layout`).
+    Returns dicts: the variant, ``world_size`` (1 unless "ddp"), ``fwd_s``, ``bwd_s``, ``opt_s``,
+    ``step_s`` (medians over the timed steps), ``samples_per_s`` (this rank), ``step_times`` (s);
+    ``{**variant, "idle": True}`` where a rank waited. With ``profile``, the first "ddp" one also
+    has ``trace`` (its path) and ``grad_bytes`` (per parameter, in the order backward produces them
+    here, for :func:`mgtutorial.costmodel.bucket_layout`).
     """
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
         out, n = [], cfg.warmup + cfg.steps

@@ -234,6 +234,42 @@ def print_table(rows: list[tuple[str, str, dict]]) -> None:
         print(f"{label:<34}{unit:<10}" + "".join(f"{s[k]:>10.3f}" for k in ("median", "min", "max")))
 
 
+def batch_sweep(batches: list[int], repeats: int) -> dict:
+    """(c) ``ceiling_2v1`` and ``scaling_2v1_by_batch`` (chapter 09), in one run.
+
+    Per repeat, one 2-rank job of :func:`mgtutorial.perf.step_worker` on digits; for each per-rank
+    batch in turn: rank 0 training alone (rank 1 idle at a barrier), both ranks training
+    independently at once (no DDP, no collectives: the ceiling), then DDP on both. Interleaving
+    the three per batch lets a drifting machine load touch them alike. Ratios by
+    :func:`mgtutorial.costmodel.scaling_ratios`; medians over repeats.
+    """
+    from mgtutorial import costmodel, perf
+
+    cfg = perf.StepConfig(dataset="digits", backend="gloo", warmup=3, steps=15,
+                          variants=[{"batch_size": b, "mode": m} for b in batches for m in ("alone", "independent", "ddp")])
+    per_repeat = []
+    tmp = Path(tempfile.mkdtemp(prefix="mgtutorial-batch-"))
+    try:
+        for i in range(repeats):
+            values = launch(perf.step_worker, cfg, 2, runs_dir=tmp, threads_per_rank=1).wait(timeout=RUN_TIMEOUT_S).values
+            per_repeat.append(costmodel.scaling_ratios(values))
+            print(f"[batch sweep {i + 1}/{repeats}] " + ", ".join(
+                f"b={r['batch_size']}: {r['scaling_2v1']:.2f}/{r['ceiling_2v1']:.2f}" for r in per_repeat[-1]), flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    med = {key: {str(b): statistics.median(rep[j][key] for rep in per_repeat) for j, b in enumerate(batches)}
+           for key in ("ceiling_2v1", "scaling_2v1", "fraction")}
+    ceiling = statistics.median(r["ceiling_2v1"] for rep in per_repeat for r in rep)
+    best = max(med["scaling_2v1"], key=med["scaling_2v1"].get)
+    print(f"\n{'per-rank batch':<16}{'scaling_2v1':>12}{'ceiling_2v1':>12}{'fraction':>10}")
+    for b in map(str, batches):
+        print(f"{b:<16}{med['scaling_2v1'][b]:>12.3f}{med['ceiling_2v1'][b]:>12.3f}{med['fraction'][b]:>10.3f}")
+    return {"ceiling_2v1": ceiling, "ceiling_2v1_by_batch": med["ceiling_2v1"],
+            "scaling_2v1_by_batch": med["scaling_2v1"], "best_batch": int(best),
+            "raw_batch_sweep": per_repeat,
+            "aim_best_scaling_ge_0.9_ceiling": med["scaling_2v1"][best] >= 0.9 * ceiling}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON file to write (required)")
@@ -242,6 +278,8 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=6,
                         help="passes over digits per rank-equivalent in (b): 1 rank trains EPOCHS "
                              "epochs, 2 ranks 2×EPOCHS (each rank the same number of steps)")
+    parser.add_argument("--batches", type=int, nargs="*", default=[32, 64, 128, 256],
+                        help="(c) per-rank batch sizes of the ceiling/scaling sweep (none: skip it)")
     args = parser.parse_args()
     if args.cold_once:
         print(time_launch(Path(args.cold_once)))
@@ -326,6 +364,10 @@ def main() -> int:
         },
         "note": "measured, not asserted on; numbers depend on the machine and its load.",
     }
+    if args.batches:
+        sweep = batch_sweep(args.batches, args.repeats)
+        report["aims"]["best scaling_2v1_by_batch >= 0.9 × ceiling_2v1"] = sweep.pop("aim_best_scaling_ge_0.9_ceiling")
+        report.update(sweep)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -97,3 +97,23 @@ def crash_after_allreduce(cfg: CrashConfig) -> None:
         if ctx.rank == cfg.rank:
             os.kill(os.getpid(), getattr(signal, cfg.signal_name))
         dist.all_reduce(torch.ones(1))  # the peer waits here for the rank that died
+
+@dataclass(kw_only=True)
+class ProfiledCollectiveConfig:
+    """One call of ``op`` (see :func:`mgtutorial.perf.collective_call`) under ``torch.profiler``."""
+
+    op: str = "reduce_scatter"
+    nbytes: int = 4096
+
+
+def profiled_collective(cfg: ProfiledCollectiveConfig) -> list[str]:
+    """The names of the backend's own events (``gloo:...``) that one call of ``cfg.op`` records."""
+    import torch
+
+    from mgtutorial import perf
+
+    with env.distributed("gloo") as ctx:
+        fn = perf.collective_call(cfg.op, cfg.nbytes, ctx.world_size, ctx.device)
+        with torch.profiler.profile() as prof:
+            fn()
+        return sorted({e.name for e in prof.events() if e.name.startswith("gloo:")})

@@ -98,6 +98,7 @@ def crash_after_allreduce(cfg: CrashConfig) -> None:
             os.kill(os.getpid(), getattr(signal, cfg.signal_name))
         dist.all_reduce(torch.ones(1))  # the peer waits here for the rank that died
 
+
 @dataclass(kw_only=True)
 class ProfiledCollectiveConfig:
     """One call of ``op`` (see :func:`mgtutorial.perf.collective_call`) under ``torch.profiler``."""

@@ -10,6 +10,7 @@ https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -49,7 +50,9 @@ def load_dcp(model, checkpoint_id: str | os.PathLike) -> None:
     sharded = dist.is_initialized()
     sd = get_model_state_dict(model) if sharded else model.state_dict()
     check_checkpoint(checkpoint_id, sd)
-    dcp.load(sd, checkpoint_id=str(checkpoint_id))
+    with warnings.catch_warnings():  # one process on purpose: DCP's "assuming single process" note is noise
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(sd, checkpoint_id=str(checkpoint_id), no_dist=not sharded)
     if sharded:
         set_model_state_dict(model, sd)
     else:

@@ -148,28 +148,29 @@ def memory_figure(rows: list[dict], unit: str = "B", title: str = ""):
 
 
 def calculator(params_billions: float = 7.0, ranks: int = 8, precision: str = "mixed"):
-    """Sliders (parameters, ranks, scheme, precision) redrawing the per-rank bars from :func:`memory_per_rank`.
+    """Sliders (parameters, ranks, schemes, precision) redrawing the per-rank bars from :func:`memory_per_rank`.
 
-    Returns the ipywidgets box; its first figure is drawn at once, so a saved notebook shows it.
+    Shows the sliders, then the figure as an ordinary image output (so a saved notebook shows the
+    first one without a kernel), replaced in place whenever a slider moves. Returns the display handle.
     """
     import ipywidgets as W
-    from IPython.display import display
+    from IPython.display import Image, display
+
+    from .live import figure_png
 
     psi = W.FloatLogSlider(value=params_billions, base=10, min=-1, max=3, description="params (B)")
     n = W.IntSlider(value=ranks, min=1, max=64, description="ranks N")
     prec = W.ToggleButtons(options=tuple(BYTES_PER_PARAM), value=precision, description="precision")
     schemes = W.SelectMultiple(options=SCHEMES, value=SCHEMES, description="schemes")
-    out = W.Output()
 
-    def redraw(*_):
+    def image():
         shapes = [(int(psi.value * 1e9),)]
         rows = [{"scheme": s, "N": n.value, **memory_per_rank(shapes, n.value, s, prec.value)}
                 for s in schemes.value]
-        with out:
-            out.clear_output(wait=True)
-            display(memory_figure(rows, "GB", f"{psi.value:.1f} B parameters, Adam(W), {prec.value}"))
+        return Image(figure_png(memory_figure(rows, "GB", f"{psi.value:.1f} B parameters, Adam(W), {prec.value}")))
 
+    display(W.VBox([W.HBox([psi, n]), W.HBox([prec, schemes])]))
+    handle = display(image(), display_id=True)
     for w in (psi, n, prec, schemes):
-        w.observe(redraw, names="value")
-    redraw()
-    return W.VBox([W.HBox([psi, n]), W.HBox([prec, schemes]), out])
+        w.observe(lambda _: handle.update(image()), names="value")
+    return handle

@@ -61,8 +61,11 @@ def test_formula_refuses_bad_input():
 
 
 def test_calculator_draws_from_the_formula():
-    box = M.calculator(params_billions=1.0, ranks=4)
-    assert box.children and M.memory_figure(M.memory_table([(1000,)])) is not None
+    fig = M.memory_figure(M.memory_table([(1000,)]))
+    heights = sorted(round(b.get_height()) for b in fig.axes[0].patches)
+    want = sorted(r[k] for r in M.memory_table([(1000,)]) for k in M.PARTS)
+    assert heights == want
+    M.calculator(params_billions=1.0, ranks=4)  # builds the sliders and draws (no handle outside IPython)
 
 
 # --- refusals before any rank starts ------------------------------------------------------------
@@ -80,7 +83,7 @@ def test_bad_config_refused_before_launch(kw, nprocs, match, runs, no_leftovers)
 
 
 def test_checkpoint_of_another_shape_names_the_tensor(tmp_path):
-    dcp.save(S.make_model(S.ShardConfig(**CFG)).state_dict(), checkpoint_id=str(tmp_path))
+    dcp.save(S.make_model(S.ShardConfig(**CFG)).state_dict(), checkpoint_id=str(tmp_path), no_dist=True)
     wider = S.make_model(S.ShardConfig(**{**CFG, "width": 12}))
     with pytest.raises(ValueError, match=r"'blocks.0.lin.weight'.*\(10, 10\).*\(12, 12\)"):
         C.load_dcp(wider, tmp_path)

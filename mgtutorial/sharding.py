@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from . import ddp, env
 from . import sharding_memory as M
 
-PARTS = ("zero", "fsdp", "counts", "mixed", "meta", "save", "load")
+PARTS = ("zero", "fsdp", "counts", "mixed", "meta", "save", "load", "bench")
 REDUCE = ("avg", "sum_then_divide", "sum")
 
 
@@ -233,7 +233,7 @@ def worker(cfg: ShardConfig) -> dict:
     from . import sharding_fsdp as F
 
     run = {"zero": part_zero, "fsdp": F.part_fsdp, "counts": F.part_counts, "mixed": F.part_mixed,
-           "meta": F.part_meta, "save": C.part_save, "load": C.part_load}
+           "meta": F.part_meta, "save": C.part_save, "load": C.part_load, "bench": F.part_bench}
     with env.distributed(cfg.backend) as ctx:
         return {"world_size": ctx.world_size, **{p: run[p](cfg, ctx) for p in cfg.parts}}
 

@@ -157,3 +157,36 @@ def part_meta(cfg, ctx) -> dict:
             "distinct_rows": all(len({tuple(r.tolist()) for r in full[k]}) == full[k].shape[0] for k in full)}
 
 
+
+
+BENCH = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp_reshard": "zero3", "fsdp_keep": "zero3"}
+"""Benchmarked set-ups → the :data:`mgtutorial.sharding_memory.SCHEMES` entry that predicts their bytes."""
+
+
+def part_bench(cfg, ctx) -> dict:
+    """Each set-up of :data:`BENCH`: bytes held after ``cfg.steps`` steps and mean seconds per step.
+
+    One untimed warm-up step first. Used by benchmarks/sharding.py (not asserted on in tests).
+    """
+    import dataclasses
+    import time
+
+    out = {}
+    for name in BENCH:
+        model = S.make_model(cfg).to(ctx.device)
+        if name.startswith("fsdp"):
+            model = apply_fsdp(model, mesh_for(cfg, ctx), name == "fsdp_reshard")
+            opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+            step, zero_grad, opts = opt.step, opt.zero_grad, [opt]
+        elif name.startswith("zero"):
+            z = S.ZeRO(model, ctx, int(name[-1]), lr=cfg.lr)
+            step, zero_grad, opts = z.step, z.zero_grad, [z.opt]
+        else:
+            model = ddp.apply_ddp(model, ctx, gradient_as_bucket_view=True)
+            opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+            step, zero_grad, opts = opt.step, lambda: opt.zero_grad(set_to_none=False), [opt]
+        S.train(model, step, dataclasses.replace(cfg, steps=1), ctx, zero_grad)  # warm-up
+        t0 = time.perf_counter()
+        S.train(model, step, cfg, ctx, zero_grad)
+        out[name] = {"step_s": (time.perf_counter() - t0) / cfg.steps, "bytes": M.measure(model.parameters(), opts)}
+    return out

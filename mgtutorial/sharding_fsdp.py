@@ -100,8 +100,12 @@ def unsharded_bytes(model: nn.Module) -> int:
 
 
 def part_counts(cfg, ctx) -> list[dict]:
-    """Collectives counted with CommDebugMode, and gathered bytes inside each block, per (blocks, reshard)."""
-    mesh, rows = mesh_for(cfg, ctx), []
+    """Collectives counted with CommDebugMode, and gathered bytes inside each block, per (blocks, reshard).
+
+    On a GPU also ``peak_cuda_bytes`` (``torch.cuda.max_memory_allocated`` over the step; None on CPU,
+    which has no allocator counter).
+    """
+    mesh, rows, cuda = mesh_for(cfg, ctx), [], ctx.device.type == "cuda"
     for blocks in (1, 2, 3):
         for raf in (True, None, False):
             model = apply_fsdp(S.make_model(cfg, blocks).to(ctx.device), mesh, raf)
@@ -109,11 +113,14 @@ def part_counts(cfg, ctx) -> list[dict]:
             for b in model.blocks:  # inside each block's forward, how much is gathered
                 b.lin.register_forward_hook(lambda *_: alive.append(unsharded_bytes(model)))
             x, y = (t.to(ctx.device) for t in S.batch(cfg, 0, ctx.rank, ctx.world_size))
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(ctx.device)
             with CommDebugMode() as fwd:
                 loss = nn.functional.mse_loss(model(x), y)
             with CommDebugMode() as bwd:
                 loss.backward()
-            rows.append({"blocks": blocks, "reshard_after_forward": raf, "alive_bytes": alive,
+            peak = torch.cuda.max_memory_allocated(ctx.device) if cuda else None
+            rows.append({"blocks": blocks, "reshard_after_forward": raf, "alive_bytes": alive, "peak_cuda_bytes": peak,
                          "predicted": predicted_collectives(blocks, raf),
                          "counted": {"all_gather_forward": _count(fwd, "allgather"),
                                      "all_gather_backward": _count(bwd, "allgather"),

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mgtutorial import launch
+from mgtutorial import env, launch
 from mgtutorial import sharding as S
 from mgtutorial import sharding_checkpoint as C
 from mgtutorial import sharding_fsdp as F
@@ -183,3 +183,16 @@ def test_dcp_saved_on_two_loads_on_four_and_in_one_process(four, ckpt, no_leftov
     one = S.make_model(S.ShardConfig(**{**CFG, "seed": 5}))
     C.load_dcp(one, ckpt / "dcp")
     torch.testing.assert_close(one.state_dict(), torch.load(ckpt / "full.pt", weights_only=True), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(env.gpu_count() < 2, reason="needs 2 CUDA GPUs (NCCL, a 'cuda' mesh); the gloo tests above run the same checks on CPU")
+@pytest.mark.timeout(300)
+def test_same_checks_on_two_gpus_with_nccl(tmp_path, no_leftovers):
+    cfg = S.ShardConfig(parts=["zero", "fsdp", "counts", "mixed"], backend="nccl", **CFG)
+    values = launch(S.worker, cfg, 2, runs_dir=tmp_path).wait(timeout=240).values
+    _check_parity_and_memory(values)
+    rows = values[0]["counts"]
+    assert all(r["counted"] == r["predicted"] for r in rows)
+    peak = {r["reshard_after_forward"]: r["peak_cuda_bytes"] for r in rows if r["blocks"] == 3}
+    assert peak[False] >= peak[True] > 0
+    assert values[0]["mixed"]["inside_forward"]["weight"] == "torch.bfloat16"

@@ -18,6 +18,7 @@ gradients of one process on the whole batch. From the shell::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -228,14 +229,22 @@ def part_zero(cfg, ctx) -> dict:
 
 
 def worker(cfg: ShardConfig) -> dict:
-    """Run ``cfg.parts`` in order in one process group; returns ``{part: result}`` (JSON numbers)."""
+    """Run ``cfg.parts`` in order in one process group.
+
+    Returns ``{"world_size": N, "part_s": {part: seconds it took}, part: result, ...}`` (JSON numbers).
+    """
     from . import sharding_checkpoint as C
     from . import sharding_fsdp as F
 
     run = {"zero": part_zero, "fsdp": F.part_fsdp, "counts": F.part_counts, "mixed": F.part_mixed,
            "meta": F.part_meta, "save": C.part_save, "load": C.part_load, "bench": F.part_bench}
+    out: dict = {"part_s": {}}
     with env.distributed(cfg.backend) as ctx:
-        return {"world_size": ctx.world_size, **{p: run[p](cfg, ctx) for p in cfg.parts}}
+        for part in cfg.parts:
+            t0 = time.perf_counter()
+            out[part] = run[part](cfg, ctx)
+            out["part_s"][part] = time.perf_counter() - t0
+        return {"world_size": ctx.world_size, **out}
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ def _count(mode: CommDebugMode, word: str) -> int:
 
 
 def mesh_for(cfg, ctx):
+    """The 1-D device mesh of all ``ctx.world_size`` ranks, its device type matching the backend."""
     return init_device_mesh(S.mesh_device_type(ctx.backend, cfg.mesh_device), (ctx.world_size,))
 
 

@@ -191,10 +191,14 @@ class ZeRO:
         self.flat_grad = torch.zeros_like(self.flat)  # gradients accumulate into views of it
         self._views(self.flat_grad, lambda p, v: setattr(p, "grad", v))
 
-    def step(self):
+    def reduce_gradients(self) -> torch.Tensor:
+        """This rank's slice (S elements) of the gradients, summed over ranks by a reduce-scatter, ÷ N."""
         shard = torch.empty(self.S, device=self.ctx.device)
         dist.reduce_scatter_tensor(shard, self.flat_grad, op=dist.ReduceOp.SUM)
-        self.slice.grad = shard.div_(self.ctx.world_size)
+        return shard.div_(self.ctx.world_size)
+
+    def step(self):
+        self.slice.grad = self.reduce_gradients()
         self.opt.step()
         dist.all_gather_into_tensor(self.flat, self.slice.detach().clone())
         if self.stage == 1:
@@ -203,6 +207,20 @@ class ZeRO:
             self.flat_grad = None  # ZeRO-2 keeps only its slice of the gradients
             for p in self.params:
                 p.grad = None
+
+
+def _first_slice_diff(cfg, ctx) -> float:
+    """Max |Δ| between ZeRO's reduced gradient slice at step 1 and that slice of one process's gradients."""
+    model, one = make_model(cfg).to(ctx.device), make_model(cfg)
+    z = ZeRO(model, ctx, 1, lr=cfg.lr)
+    z.zero_grad()
+    x, y = (t.to(ctx.device) for t in batch(cfg, 0, ctx.rank, ctx.world_size))
+    nn.functional.mse_loss(model(x), y).backward()
+    x1, y1 = batch(cfg, 0)
+    nn.functional.mse_loss(one(x1), y1).backward()  # one process, whole batch
+    flat = torch.cat([p.grad.reshape(-1) for p in one.parameters()])
+    flat = torch.cat([flat, flat.new_zeros(ctx.world_size * z.S - flat.numel())])
+    return (z.reduce_gradients().cpu() - flat[ctx.rank * z.S:(ctx.rank + 1) * z.S]).abs().max().item()
 
 
 def part_zero(cfg, ctx) -> dict:
@@ -224,6 +242,7 @@ def part_zero(cfg, ctx) -> dict:
         final[name] = model.module.state_dict()
         out["memory"][name] = M.measure(model.parameters(), [opt.optim if name == "zero_redundancy" else opt])
     out["max_diff"] = {name: max_diff(sd, ref.state_dict()) for name, sd in final.items()}
+    out["first_grad_diff"] = _first_slice_diff(cfg, ctx)
     out["max_diff"]["zero1_vs_zero_redundancy"] = max_diff(final["zero1"], final["zero_redundancy"])
     return out
 

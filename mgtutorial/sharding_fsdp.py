@@ -64,7 +64,11 @@ def mesh_for(cfg, ctx):
 
 
 def part_fsdp(cfg, ctx) -> dict:
-    """FSDP2 vs one process and vs DDP; DTensor placements; first gradients under each reduce mode."""
+    """FSDP2 vs one process and vs DDP; DTensor placements; first gradients under each reduce mode.
+
+    Also trains with ``reduce="sum"`` (gradients N× too large): AdamW divides by √v, which scales
+    the same way, so those parameters still match one process; only the gradient check shows it.
+    """
     mesh, ref_model, ref_losses = mesh_for(cfg, ctx), *S.reference(cfg)
     one = S.make_model(cfg)
     x, y = S.batch(cfg, 0)
@@ -81,10 +85,14 @@ def part_fsdp(cfg, ctx) -> dict:
     placements = {k: [str(p.placements), list(p.to_local().shape), type(p).__name__] for k, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     losses = S.train(model, opt.step, cfg, ctx, opt.zero_grad)
+    summed = apply_fsdp(S.make_model(cfg).to(ctx.device), mesh, reduce="sum")  # the bug, on purpose
+    sopt = torch.optim.AdamW(summed.parameters(), lr=cfg.lr)
+    S.train(summed, sopt.step, cfg, ctx, sopt.zero_grad)
     ddp_model = ddp.apply_ddp(S.make_model(cfg), ctx)
     dopt = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
     S.train(ddp_model, dopt.step, cfg, ctx, dopt.zero_grad)
     return {"placements": placements, "first_grads": grads, "memory": {"zero3": M.measure(model.parameters(), [opt])},
+            "sum_params_vs_one_process": S.max_diff(summed.state_dict(), ref_model.state_dict()),
             "max_diff": {"fsdp_vs_one_process": S.max_diff(model.state_dict(), ref_model.state_dict()),
                          "fsdp_vs_ddp": S.max_diff(model.state_dict(), ddp_model.module.state_dict()),
                          "loss_vs_one_process": max(abs(a - b) for a, b in zip(env_mean(losses, ctx), ref_losses))}}

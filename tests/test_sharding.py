@@ -121,6 +121,8 @@ def _check_parity_and_memory(values):
         measured = {**v["zero"]["memory"], **v["fsdp"]["memory"]}
         for scheme in M.SCHEMES:
             assert measured[scheme] == M.memory_per_rank(shapes(), n, scheme, rank=r), (scheme, n, r)
+        assert v["zero"]["first_grad_diff"] < 1e-6  # ZeRO's reduced slice == that slice of one process's gradients
+        assert v["fsdp"]["sum_params_vs_one_process"] < 1e-5  # AdamW hides a missing ÷ N in the parameters
         g = v["fsdp"]["first_grads"]
         assert g["avg"]["vs_mean"] < 1e-6 < 1e-2 < g["avg"]["vs_sum"]  # torch 2.14.1 averages on gloo
         assert g["sum_then_divide"]["vs_mean"] < 1e-6 and g["sum"]["vs_sum"] < 1e-6 < 1e-2 < g["sum"]["vs_mean"]

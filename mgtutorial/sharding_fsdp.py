@@ -138,7 +138,11 @@ def part_counts(cfg, ctx) -> list[dict]:
 
 
 def part_mixed(cfg, ctx) -> dict:
-    """MixedPrecisionPolicy(bf16 params, fp32 reduce): dtypes inside forward, loss gap to fp32."""
+    """MixedPrecisionPolicy(bf16 params, fp32 reduce): dtypes inside forward, bytes held at rest, loss gap to fp32.
+
+    ``memory`` (after the last step) is what FSDP2 keeps between steps: fp32 parameter and gradient
+    shards and fp32 Adam(W) state, i.e. the "fp32" zero3 row of :func:`mgtutorial.sharding_memory.memory_per_rank`.
+    """
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = apply_fsdp(S.make_model(cfg).to(ctx.device), mesh_for(cfg, ctx), mp_policy=policy)
     seen = {}
@@ -149,7 +153,7 @@ def part_mixed(cfg, ctx) -> dict:
     p = model.blocks[0].lin.weight
     _, ref_losses = S.reference(cfg)
     return {"inside_forward": seen, "sharded_param": str(p.dtype), "sharded_grad": str(p.grad.dtype),
-            "losses": losses, "fp32_losses": ref_losses,
+            "memory": M.measure(model.parameters(), [opt]), "losses": losses, "fp32_losses": ref_losses,
             "max_loss_gap": max(abs(a - b) for a, b in zip(losses, ref_losses))}
 
 
@@ -160,8 +164,10 @@ def part_meta(cfg, ctx) -> dict:
     before = {"device": str(next(model.parameters()).device), "bytes": 0}
     apply_fsdp(model, mesh_for(cfg, ctx))
     model.to_empty(device=ctx.device)
-    torch.manual_seed(cfg.seed + ctx.rank)  # on CPU each rank draws its shard from its own generator:
-    for m in model.modules():                # the same seed everywhere would repeat rows across ranks
+    # On a CPU mesh each rank draws its shard from its own generator (the same seed would repeat rows
+    # across ranks); on CUDA, DTensor's RNG tracker wants one seed and gives each shard its own offset.
+    torch.manual_seed(cfg.seed + (ctx.rank if ctx.device.type == "cpu" else 0))
+    for m in model.modules():
         if isinstance(m, nn.Linear):
             m.reset_parameters()
     shapes = [p.shape for p in model.parameters()]
@@ -171,8 +177,6 @@ def part_meta(cfg, ctx) -> dict:
             "formula": M.memory_per_rank(shapes, ctx.world_size, "zero3")["params"],
             "within_init_bound": all(bool(full[k].abs().max() <= b) for k, b in bound.items()),
             "distinct_rows": all(len({tuple(r.tolist()) for r in full[k]}) == full[k].shape[0] for k in full)}
-
-
 
 
 BENCH = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp_reshard": "zero3", "fsdp_keep": "zero3"}

@@ -163,6 +163,9 @@ def test_mixed_precision_and_meta_init(two, no_leftovers):
     assert (mp["sharded_param"], mp["sharded_grad"]) == ("torch.float32", "torch.float32")
     assert 0 < mp["max_loss_gap"] < 0.05
     for r, v in two.items():
+        held = v["mixed"]["memory"]  # at rest: fp32 shards, fp32 gradient shards, fp32 Adam state
+        assert held == M.memory_per_rank(shapes(), 2, "zero3", "fp32", rank=r)
+        assert held["params"] == 2 * M.memory_per_rank(shapes(), 2, "zero3", "mixed", rank=r)["params"]
         meta = v["meta"]
         assert meta["before"]["device"] == "meta"
         assert meta["params_bytes"] == meta["formula"] == M.memory_per_rank(shapes(), 2, "zero3", rank=r)["params"]
@@ -172,6 +175,8 @@ def test_mixed_precision_and_meta_init(two, no_leftovers):
 @pytest.mark.timeout(300)
 def test_full_state_dict_loads_strictly_into_plain_model(two, ckpt, no_leftovers):
     assert two[0]["save"]["files"].keys() == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert two[0]["save"]["full_keys"] == sorted(S.make_model(S.ShardConfig(**CFG)).state_dict())
+    assert two[1]["save"]["full_keys"] == []  # cpu_offload=True: only rank 0 receives the full state dict
     plain = S.make_model(S.ShardConfig(**CFG))
     plain.load_state_dict(torch.load(ckpt / "full.pt", weights_only=True), strict=True)
     ref, _ = S.reference(S.ShardConfig(**CFG))

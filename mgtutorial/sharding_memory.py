@@ -13,6 +13,11 @@ precision      bytes   params + grads + optimizer state
 ``mixed``      16Ψ     2Ψ (bf16) + 2Ψ (bf16) + 12Ψ (fp32 master copy, exp_avg, exp_avg_sq)
 =============  ======  ====================================================================
 
+``mixed`` is the ZeRO paper's mixed precision (half-precision parameters and gradients in the model,
+the fp32 master copy in the optimizer). FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16)``
+keeps fp32 parameter and gradient shards (bf16 only in the gathered copies), so between steps it
+holds the ``fp32`` row (measured in notebooks/07_sharding.ipynb, section 7).
+
 and sharding over N ranks divides the optimizer state (ZeRO-1), also the gradients (ZeRO-2), also
 the parameters (ZeRO-3 / FSDP) by N. Exactly, with the padding the implementations add:
 
@@ -32,7 +37,7 @@ import torch
 
 SCHEMES = ("ddp", "zero1", "zero2", "zero3")
 BYTES_PER_PARAM = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
-"""Bytes per parameter of (params, grads, optimizer state) for Adam(W)."""
+"""Bytes per parameter of (params, grads, optimizer state) for Adam(W); "mixed" as the ZeRO paper counts it."""
 PARTS = ("params", "grads", "optimizer")
 
 
@@ -167,7 +172,8 @@ def calculator(params_billions: float = 7.0, ranks: int = 8, precision: str = "m
         shapes = [(int(psi.value * 1e9),)]
         rows = [{"scheme": s, "N": n.value, **memory_per_rank(shapes, n.value, s, prec.value)}
                 for s in schemes.value]
-        return Image(figure_png(memory_figure(rows, "GB", f"{psi.value:.1f} B parameters, Adam(W), {prec.value}")))
+        label = {"fp32": "fp32", "mixed": "mixed precision (ZeRO paper: 2 + 2 + 12)"}[prec.value]
+        return Image(figure_png(memory_figure(rows, "GB", f"{psi.value:.1f} B parameters, Adam(W), {label}")))
 
     display(W.VBox([W.HBox([psi, n]), W.HBox([prec, schemes])]))
     handle = display(image(), display_id=True)

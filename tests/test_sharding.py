@@ -82,6 +82,7 @@ def test_bad_config_refused_before_launch(kw, nprocs, match, runs, no_leftovers)
     assert not list(runs.iterdir())  # no run directory: nothing started
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a one-process save, on purpose
 def test_checkpoint_of_another_shape_names_the_tensor(tmp_path):
     dcp.save(S.make_model(S.ShardConfig(**CFG)).state_dict(), checkpoint_id=str(tmp_path), no_dist=True)
     wider = S.make_model(S.ShardConfig(**{**CFG, "width": 12}))

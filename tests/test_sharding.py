@@ -204,3 +204,5 @@ def test_same_checks_on_two_gpus_with_nccl(tmp_path, no_leftovers):
     peak = {r["reshard_after_forward"]: r["peak_cuda_bytes"] for r in rows if r["blocks"] == 3}
     assert peak[False] >= peak[True] > 0
     assert values[0]["mixed"]["inside_forward"]["weight"] == "torch.bfloat16"
+    for r, v in values.items():  # bf16 compute, yet at rest the fp32 row, as on CPU
+        assert v["mixed"]["memory"] == M.memory_per_rank(shapes(), 2, "zero3", "fp32", rank=r)

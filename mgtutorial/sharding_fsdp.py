@@ -158,7 +158,11 @@ def part_mixed(cfg, ctx) -> dict:
 
 
 def part_meta(cfg, ctx) -> dict:
-    """Build on ``meta``, shard, ``to_empty``, initialise: only shards ever get storage."""
+    """Build on ``meta``, shard, ``to_empty``, initialise: only shards ever get storage.
+
+    Seeds ``cfg.seed + rank`` on a CPU mesh (no DTensor RNG tracker: each rank draws its shard from its
+    own generator) and ``cfg.seed`` on CUDA (DTensor's ``OffsetBasedRNGTracker`` syncs rank 0's state).
+    """
     with torch.device("meta"):
         model = S.make_model(cfg)
     before = {"device": str(next(model.parameters()).device), "bytes": 0}

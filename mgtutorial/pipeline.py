@@ -1,10 +1,10 @@
-"""Pipeline parallelism: GPipe by hand, GPipe and 1F1B with ``torch.distributed.pipelining``, one
-stage per rank. Timelines, bubbles and activation memory are in :mod:`mgtutorial.timeline`, the
+"""Pipeline parallelism: GPipe by hand, GPipe and 1F1B with ``torch.distributed.pipelining`` (one
+stage per rank), and interleaved 1F1B (``ScheduleInterleaved1F1B``, two stages per rank). Timelines, bubbles and activation memory are in :mod:`mgtutorial.timeline`, the
 naive split in :mod:`mgtutorial.model_parallel`.
 
 Taught in notebooks/04_model_parallel.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.pipelining.html and the GPipe (Huang et al., 2019) and
-1F1B (PipeDream-Flush, Narayanan et al., 2021) schedules.
+1F1B (PipeDream-Flush, Narayanan et al., 2021) schedules, and its interleaved variant (same paper).
 
 One stage per rank: rank s holds stage s of the article's MLP (:meth:`ArticleMLP.split`). A batch of
 ``batch_size`` samples is cut into ``n_microbatches`` micro-batches; activations travel forward to
@@ -115,8 +115,9 @@ def build_stage(cfg: PipelineConfig, stage: int, num_stages: int) -> nn.Module:
 def batches(cfg: PipelineConfig):
     """The ``cfg.steps`` batches ``(x, y)`` every rank and the reference agree on."""
     ds = mlp_data(cfg.steps * cfg.batch_size, cfg.sizes[0], cfg.sizes[-1], seed=cfg.seed + 1)
-    for s in range(cfg.steps):
-        yield ds.tensors[0][s * cfg.batch_size:(s + 1) * cfg.batch_size], ds.tensors[1][s * cfg.batch_size:(s + 1) * cfg.batch_size]
+    for s in range(cfg.steps):  # copies, as a DataLoader's batches are: each its own storage
+        rows = slice(s * cfg.batch_size, (s + 1) * cfg.batch_size)
+        yield ds.tensors[0][rows].clone(), ds.tensors[1][rows].clone()
 
 
 def unsplit_reference(cfg: PipelineConfig) -> tuple[nn.Module, list[float]]:

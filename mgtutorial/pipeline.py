@@ -1,12 +1,13 @@
 """Pipeline parallelism: GPipe by hand, GPipe and 1F1B with ``torch.distributed.pipelining`` (one
-stage per rank), and interleaved 1F1B (``ScheduleInterleaved1F1B``, two stages per rank). Timelines, bubbles and activation memory are in :mod:`mgtutorial.timeline`, the
-naive split in :mod:`mgtutorial.model_parallel`.
+stage per rank), and interleaved 1F1B (``ScheduleInterleaved1F1B``, two stages per rank).
+Timelines, bubbles and activation memory are in :mod:`mgtutorial.timeline`, the naive split in
+:mod:`mgtutorial.model_parallel`.
 
 Taught in notebooks/04_model_parallel.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.pipelining.html and the GPipe (Huang et al., 2019) and
 1F1B (PipeDream-Flush, Narayanan et al., 2021) schedules, and its interleaved variant (same paper).
 
-One stage per rank: rank s holds stage s of the article's MLP (:meth:`ArticleMLP.split`). A batch of
+One stage per rank (two for "interleaved": s and s + p): rank s holds stage s of the article's MLP (:meth:`ArticleMLP.split`). A batch of
 ``batch_size`` samples is cut into ``n_microbatches`` micro-batches; activations travel forward to
 rank s+1 and gradients back to rank s−1 with point-to-point send/recv. From the shell::
 

@@ -9,7 +9,11 @@ the measured bubble can be held against the ideal (p − 1)/(m + p − 1):
 
 * ``naive``: the model split over 2 ranks with no micro-batching (GPipe with m = 1): one stage works
   at a time, whatever m says — the same number is reported for every m;
-* ``gpipe``: ``ScheduleGPipe`` with m micro-batches; ``1f1b``: ``Schedule1F1B`` (m ≥ 2).
+* ``gpipe``: ``ScheduleGPipe`` with m micro-batches; ``1f1b``: ``Schedule1F1B`` (m ≥ 2);
+  ``interleaved``: ``ScheduleInterleaved1F1B`` with two stages per rank (m even; its formula is
+  (p − 1)/(2m + p − 1)).
+
+Stage 0 computes its input's gradient too (``input_grad=True``) so that both stages do the same work.
 
 samples/s = batch size ÷ median step time (the first ``--warmup`` steps left out); bubble =
 1 − busy ÷ (stages × step span), from the forward/backward events each stage logs, median over
@@ -17,7 +21,7 @@ steps. Run it, don't assert on it::
 
     python benchmarks/pipeline.py --out benchmarks/pipeline.json
 
-It prints a table and writes JSON with keys ``naive``, ``gpipe``, ``1f1b`` (m → samples/s),
+It prints a table and writes JSON with keys ``naive``, ``gpipe``, ``1f1b``, ``interleaved`` (m → samples/s),
 ``bubble_measured`` and ``bubble_formula`` (schedule → m → fraction), ``speedup_gpipe_m8_vs_naive``.
 """
 
@@ -42,7 +46,7 @@ def measure(schedule: str, m: int, args, runs_dir: str) -> tuple[float, float]:
     """(samples/s, median bubble fraction) of one run."""
     cfg = P.PipelineConfig(schedule=schedule, n_microbatches=m, batch_size=args.batch_size,
                            steps=args.warmup + args.steps, sizes=[args.width] * 5, save_params=False,
-                           backend="gloo")
+                           backend="gloo", input_grad=True)
     run = launch(P.worker, cfg, 2, runs_dir=runs_dir, threads_per_rank=1)
     try:
         result = run.wait(timeout=600)
@@ -51,7 +55,8 @@ def measure(schedule: str, m: int, args, runs_dir: str) -> tuple[float, float]:
             run.stop()
     times = result.values[0]["step_times_s"][args.warmup:]
     records = runlog.read_run(run.run_dir)
-    bubbles = [T.bubble_measured(T.events(records, step)) for step in range(args.warmup + 1, cfg.steps + 1)]
+    by = "rank" if schedule == "interleaved" else "stage"
+    bubbles = [T.bubble_measured(T.events(records, step), by=by) for step in range(args.warmup + 1, cfg.steps + 1)]
     return args.batch_size / statistics.median(times), statistics.median(bubbles)
 
 
@@ -64,7 +69,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps left out at the start")
     args = parser.parse_args()
 
-    out = {"naive": {}, "gpipe": {}, "1f1b": {}, "bubble_measured": {"gpipe": {}, "1f1b": {}},
+    out = {"naive": {}, "gpipe": {}, "1f1b": {}, "interleaved": {},
+           "bubble_measured": {"gpipe": {}, "1f1b": {}, "interleaved": {}},
            "bubble_formula": {}, "settings": vars(args), "torch": torch.__version__}
     started = time.time()
     with tempfile.TemporaryDirectory() as runs_dir:
@@ -73,14 +79,15 @@ def main() -> None:
         for m in MICROBATCHES:
             out["naive"][m] = naive
             out["bubble_formula"][m] = T.bubble_formula(2, m)
-            for schedule in ("gpipe", "1f1b"):
-                if schedule == "1f1b" and m < 2:
+            for schedule in ("gpipe", "1f1b", "interleaved"):
+                if schedule != "gpipe" and m < 2:
                     continue
                 rate, bubble = measure(schedule, m, args, runs_dir)
                 out[schedule][m] = rate
                 out["bubble_measured"][schedule][m] = bubble
-                print(f"{schedule:>5} m={m}: {rate:8.0f} samples/s, bubble {bubble:.3f} "
-                      f"(formula {T.bubble_formula(2, m):.3f})", flush=True)
+                formula = T.bubble_formula(2, m, stages_per_rank=2 if schedule == "interleaved" else 1)
+                print(f"{schedule:>11} m={m}: {rate:8.0f} samples/s, bubble {bubble:.3f} "
+                      f"(formula {formula:.3f})", flush=True)
     out["speedup_gpipe_m8_vs_naive"] = out["gpipe"][8] / naive
     out["bubble_max_abs_error_gpipe"] = max(abs(out["bubble_measured"]["gpipe"][m] - out["bubble_formula"][m])
                                             for m in MICROBATCHES)

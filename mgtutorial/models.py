@@ -64,26 +64,31 @@ class ArticleCNN(nn.Module):
 
 
 class SubNet(nn.Module):
-    """One block of the article's MLP: a single ``Linear(in_features, out_features)``."""
+    """One block of the article's MLP: ``Linear(in_features, out_features)``, then ReLU when ``relu``
+    (every block but the last, whose outputs are the logits)."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, relu: bool = True):
         super().__init__()
         self.linear = nn.Linear(in_features, out_features)
+        self.relu = relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
+        x = self.linear(x)
+        return torch.relu(x) if self.relu else x
 
 
 class ArticleMLP(nn.Module):
-    """The article's "model parallel" MLP: sub-networks 1024 → 512 → 256 → 100, applied in order.
+    """The article's "model parallel" MLP: sub-networks 1024 → 512 → 256 → 100, applied in order,
+    ReLU between them (not after the last: its outputs are the logits of 100 classes).
 
-    Shapes: input ``(B, 1024)``; output ``(B, 100)``. :meth:`split` cuts it into pipeline stages.
+    Shapes: input ``(B, sizes[0])``; output ``(B, sizes[-1])``. :meth:`split` cuts it into pipeline stages.
     """
 
     def __init__(self, sizes: tuple[int, ...] = (1024, 512, 256, 100)):
         super().__init__()
         self.sizes = tuple(sizes)
-        self.subnets = nn.ModuleList(SubNet(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        n = len(sizes) - 1
+        self.subnets = nn.ModuleList(SubNet(a, b, relu=i < n - 1) for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for subnet in self.subnets:

@@ -1,12 +1,13 @@
-"""Pipeline parallelism: GPipe by hand, GPipe and 1F1B with ``torch.distributed.pipelining``, one
-stage per rank. Timelines, bubbles and activation memory are in :mod:`mgtutorial.timeline`, the
-naive split in :mod:`mgtutorial.model_parallel`.
+"""Pipeline parallelism: GPipe by hand, GPipe and 1F1B with ``torch.distributed.pipelining`` (one
+stage per rank), and interleaved 1F1B (``ScheduleInterleaved1F1B``, two stages per rank).
+Timelines, bubbles and activation memory are in :mod:`mgtutorial.timeline`, the naive split in
+:mod:`mgtutorial.model_parallel`.
 
 Taught in notebooks/04_model_parallel.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.pipelining.html and the GPipe (Huang et al., 2019) and
-1F1B (PipeDream-Flush, Narayanan et al., 2021) schedules.
+1F1B (PipeDream-Flush, Narayanan et al., 2021) schedules, and its interleaved variant (same paper).
 
-One stage per rank: rank s holds stage s of the article's MLP (:meth:`ArticleMLP.split`). A batch of
+One stage per rank (two for "interleaved": s and s + p): rank s holds stage s of the article's MLP (:meth:`ArticleMLP.split`). A batch of
 ``batch_size`` samples is cut into ``n_microbatches`` micro-batches; activations travel forward to
 rank s+1 and gradients back to rank s−1 with point-to-point send/recv. From the shell::
 
@@ -24,9 +25,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from . import env, models, runlog
-from .timeline import Timeline
+from . import timeline as T
 
-SCHEDULES = ("hand-gpipe", "gpipe", "1f1b")
+SCHEDULES = ("hand-gpipe", "gpipe", "1f1b", "interleaved")
 
 
 def mlp_data(n: int = 2048, in_features: int = 1024, num_classes: int = 100, seed: int = 0) -> TensorDataset:
@@ -45,7 +46,8 @@ class PipelineConfig:
     """Configuration of :func:`worker` (and of the single-process reference)."""
 
     schedule: str = "gpipe"
-    """"hand-gpipe" (written here with send/recv) | "gpipe" | "1f1b" (torch.distributed.pipelining)."""
+    """"hand-gpipe" (written here with send/recv) | "gpipe" | "1f1b" | "interleaved"
+    (torch.distributed.pipelining; "interleaved" is ScheduleInterleaved1F1B with two stages per rank)."""
     n_microbatches: int = 4
     """Micro-batches per step (m). 1 = naive model parallelism: one stage busy at a time."""
     batch_size: int = 64
@@ -66,6 +68,9 @@ class PipelineConfig:
     """Each stage writes its final parameters to ``<run dir>/stage<s>.pt``."""
     fail_stage: int = -1
     """Fault injection: this stage raises at step 2 (−1: never)."""
+    input_grad: bool = False
+    """Stage 0 also computes the gradient of its input (work nobody needs), so that in an MLP of equal
+    layers every stage's backward does the same work (chapter 04's bubble measurement)."""
 
     def validate(self, world_size: int) -> None:
         """Called by :func:`mgtutorial.launch` before any process starts (see :func:`check_config`)."""
@@ -87,8 +92,11 @@ def check_config(cfg: PipelineConfig, num_stages: int) -> None:
         )
     if cfg.schedule == "1f1b" and cfg.n_microbatches < num_stages:
         raise ValueError(f"1F1B needs n_microbatches ≥ stages: {cfg.n_microbatches} < {num_stages}.")
-    if num_stages > len(cfg.sizes) - 1:
-        raise ValueError(f"{num_stages} stages but the MLP has only {len(cfg.sizes) - 1} sub-networks.")
+    if cfg.schedule == "interleaved" and cfg.n_microbatches % num_stages:
+        raise ValueError(f"interleaved needs n_microbatches divisible by the ranks: {cfg.n_microbatches} % {num_stages}.")
+    stages = num_stages * (2 if cfg.schedule == "interleaved" else 1)
+    if stages > len(cfg.sizes) - 1:
+        raise ValueError(f"{stages} stages but the MLP has only {len(cfg.sizes) - 1} sub-networks.")
 
 
 def microbatch_sizes(batch_size: int, n_microbatches: int) -> list[int]:
@@ -108,8 +116,9 @@ def build_stage(cfg: PipelineConfig, stage: int, num_stages: int) -> nn.Module:
 def batches(cfg: PipelineConfig):
     """The ``cfg.steps`` batches ``(x, y)`` every rank and the reference agree on."""
     ds = mlp_data(cfg.steps * cfg.batch_size, cfg.sizes[0], cfg.sizes[-1], seed=cfg.seed + 1)
-    for s in range(cfg.steps):
-        yield ds.tensors[0][s * cfg.batch_size:(s + 1) * cfg.batch_size], ds.tensors[1][s * cfg.batch_size:(s + 1) * cfg.batch_size]
+    for s in range(cfg.steps):  # copies, as a DataLoader's batches are: each its own storage
+        rows = slice(s * cfg.batch_size, (s + 1) * cfg.batch_size)
+        yield ds.tensors[0][rows].clone(), ds.tensors[1][rows].clone()
 
 
 def unsplit_reference(cfg: PipelineConfig) -> tuple[nn.Module, list[float]]:
@@ -141,7 +150,7 @@ def _hand_gpipe_step(module: nn.Module, x, y, cfg: PipelineConfig, ctx: env.Dist
     inputs, outputs, sends, total = [], [], [], 0.0
     for i, n in enumerate(sizes):
         if s == 0:
-            inp = x[bounds[i]:bounds[i + 1]].to(ctx.device)
+            inp = x[bounds[i]:bounds[i + 1]].to(ctx.device).requires_grad_(cfg.input_grad)
         else:
             inp = torch.empty(n, in_features, device=ctx.device)
             dist.recv(inp, s - 1)
@@ -169,10 +178,28 @@ def _hand_gpipe_step(module: nn.Module, x, y, cfg: PipelineConfig, ctx: env.Dist
     return total
 
 
-def worker(cfg: PipelineConfig) -> dict:
-    """One pipeline stage per rank (stage = rank); trains ``cfg.steps`` steps with ``cfg.schedule``.
+def stages_per_rank(cfg: PipelineConfig) -> int:
+    """2 for "interleaved" (rank r holds stages r and r + p), else 1 (stage = rank)."""
+    return 2 if cfg.schedule == "interleaved" else 1
 
-    Logs per step ``kind="train"`` (last stage: loss) and the :class:`Timeline` events; writes the
+
+def _library_schedule(cfg: PipelineConfig, modules: list[nn.Module], ctx: env.DistContext):
+    """The torch.distributed.pipelining schedule over this rank's stage modules."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    p, v = ctx.world_size, len(modules)
+    stages = [PipelineStage(mod, ctx.rank + i * p, v * p, ctx.device) for i, mod in enumerate(modules)]
+    if cfg.schedule == "interleaved":
+        return ScheduleInterleaved1F1B(stages, cfg.n_microbatches, loss_fn=nn.functional.cross_entropy)
+    cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
+    return cls(stages[0], cfg.n_microbatches, loss_fn=nn.functional.cross_entropy)
+
+
+def worker(cfg: PipelineConfig) -> dict:
+    """One pipeline stage per rank (stage = rank; two for "interleaved": r and r + p); trains
+    ``cfg.steps`` steps with ``cfg.schedule``.
+
+    Logs per step ``kind="train"`` (last stage: loss) and the :class:`Timeline` events; writes each
     stage's parameters to ``<run dir>/stage<s>.pt``. Returns {"stage", "losses", "peak_activation_bytes",
     "step_times_s"}.
 
@@ -180,55 +207,63 @@ def worker(cfg: PipelineConfig) -> dict:
         ValueError: see :func:`check_config` (before any work).
     """
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
-        s, p = ctx.rank, ctx.world_size
+        s, p, v = ctx.rank, ctx.world_size, stages_per_rank(cfg)
         check_config(cfg, p)
-        module = build_stage(cfg, s, p).to(ctx.device)
-        timeline = Timeline(module, s, log)
-        opt = torch.optim.SGD(module.parameters(), lr=cfg.lr)
-        schedule = None
-        if cfg.schedule != "hand-gpipe":
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-            stage = PipelineStage(module, s, p, ctx.device)
-            cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
-            schedule = cls(stage, cfg.n_microbatches, loss_fn=nn.functional.cross_entropy)
-            # the library runs one extra forward before its first step to infer shapes; it is not
-            # part of the schedule, so the timeline leaves it out
-            timeline.ignore_forwards = 1
+        ids = [s + i * p for i in range(v)]  # the global stages this rank holds
+        modules = [build_stage(cfg, i, v * p).to(ctx.device) for i in ids]
+        memory = T.ActivationMeter(nn.ModuleList(modules))
+        timelines = [T.Timeline(mod, i, log, memory) for mod, i in zip(modules, ids)]
+        opt = torch.optim.SGD(nn.ModuleList(modules).parameters(), lr=cfg.lr)
+        schedule = None if cfg.schedule == "hand-gpipe" else _library_schedule(cfg, modules, ctx)
+        for t in timelines:
+            # the library runs one extra forward per stage before its first step to infer shapes;
+            # it is not part of the schedule, so the timeline leaves it out
+            t.ignore_forwards = int(schedule is not None)
         losses, peaks, times = [], [], []
         log.plan(steps=cfg.steps)
         for step, (x, y) in enumerate(batches(cfg), start=1):
             if s == cfg.fail_stage and step == 2:
                 raise RuntimeError(f"injected failure in stage {s} at step {step}")
-            timeline.new_step(step)
+            for t in timelines:
+                t.new_step(step)
             opt.zero_grad(set_to_none=True)
             t0 = time.time()
-            with timeline.memory.saving():
+            with memory.saving():
                 if schedule is None:
-                    loss = _hand_gpipe_step(module, x, y, cfg, ctx)
-                elif s == 0:
-                    schedule.step(x.to(ctx.device))
-                elif s == p - 1:
-                    mb_losses = []
-                    schedule.step(target=y.to(ctx.device), losses=mb_losses)
-                    loss = float(torch.stack(mb_losses).mean())
+                    loss = _hand_gpipe_step(modules[0], x, y, cfg, ctx)
                 else:
-                    schedule.step()
+                    loss = _library_step(schedule, x, y, cfg, ctx)
             opt.step()
             times.append(time.time() - t0)
-            peaks.append(timeline.memory.peak_bytes)
+            peaks.append(memory.peak_bytes)
             if s == p - 1:
                 losses.append(loss)
                 log.train(step=step, epoch=0, loss=loss, global_loss=loss, samples=step * cfg.batch_size)
         if cfg.save_params:
-            torch.save(module.state_dict(), runlog.run_dir() / f"stage{s}.pt")
+            for mod, i in zip(modules, ids):
+                torch.save(mod.state_dict(), runlog.run_dir() / f"stage{i}.pt")
         return {"stage": s, "losses": losses, "peak_activation_bytes": max(peaks), "step_times_s": times}
 
 
+def _library_step(schedule, x, y, cfg: PipelineConfig, ctx: env.DistContext) -> float | None:
+    """``schedule.step``: the inputs on rank 0 (first stage), the targets on the last rank."""
+    s, p = ctx.rank, ctx.world_size
+    if s == 0:
+        x = x.to(ctx.device).requires_grad_(cfg.input_grad)
+    args = (x,) if s == 0 else ()
+    if s != p - 1:
+        schedule.step(*args)
+        return None
+    mb_losses = []
+    schedule.step(*args, target=y.to(ctx.device), losses=mb_losses)
+    return float(torch.stack(mb_losses).mean())
+
+
 def gather_params(run_dir, cfg: PipelineConfig, num_stages: int) -> dict:
-    """The stages' saved parameters reassembled into the unsplit MLP's ``state_dict`` keys."""
+    """The stages' saved parameters reassembled into the unsplit MLP's ``state_dict`` keys
+    (``num_stages``: the ranks of the run; twice as many stages for "interleaved")."""
     whole = models.ArticleMLP(tuple(cfg.sizes))
-    stages = whole.split(num_stages)
+    stages = whole.split(num_stages * stages_per_rank(cfg))
     for s, stage in enumerate(stages):
         stage.load_state_dict(torch.load(f"{run_dir}/stage{s}.pt", weights_only=True))
     return whole.state_dict()

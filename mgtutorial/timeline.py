@@ -17,27 +17,30 @@ from torch import nn
 from . import runlog
 
 
-def bubble_formula(num_stages: int, n_microbatches: int) -> float:
-    """Idle fraction of an ideal GPipe/1F1B pipeline: (p − 1) / (m + p − 1)."""
-    return (num_stages - 1) / (n_microbatches + num_stages - 1)
+def bubble_formula(num_stages: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle fraction of an ideal GPipe/1F1B pipeline on p = ``num_stages`` ranks: (p − 1) / (m + p − 1);
+    with v = ``stages_per_rank`` (interleaved 1F1B, Narayanan et al., 2021) (p − 1) / (v·m + p − 1)."""
+    return (num_stages - 1) / (stages_per_rank * n_microbatches + num_stages - 1)
 
 
 
 class ActivationMeter:
-    """Counts the bytes of activations autograd saves for backward (parameters excluded).
+    """Bytes of the distinct storages autograd keeps for backward (parameters excluded).
 
-    It counts saves, not storage: a tensor saved by two operations (e.g. log-softmax's output,
-    kept by both ``log_softmax`` and ``nll_loss``) counts twice.
+    It measures storage, not saves: a tensor saved by two operations (log-softmax's output, kept by
+    both ``log_softmax`` and ``nll_loss``; a ReLU's output, kept by the ReLU and by the next
+    ``Linear``) counts once, by its storage's ``data_ptr``, for as long as any save of it is alive.
 
-    ``with meter.saving(): ...`` installs saved-tensor hooks: ``live_bytes`` rises at each save and
-    falls when backward (or the graph's end) frees it; ``peak_bytes`` is the maximum since
-    :meth:`reset_peak`. Measured, not assumed: this is how chapter 04 compares GPipe with 1F1B and
-    chapter 06 shows what ``retain_graph=True`` keeps alive.
+    ``with meter.saving(): ...`` installs saved-tensor hooks: ``live_bytes`` rises when a storage is
+    first saved and falls when backward (or the graph's end) drops its last save; ``peak_bytes`` is
+    the maximum since :meth:`reset_peak`. Measured, not assumed: this is how chapter 04 compares
+    GPipe with 1F1B and chapter 06 shows what ``retain_graph=True`` keeps alive.
     """
 
     def __init__(self, module: nn.Module):
         self.live_bytes = self.peak_bytes = 0
-        self._params = {p.data_ptr() for p in module.parameters()}
+        self._params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._saves: dict[int, list[int]] = {}  # storage data_ptr -> [saves alive, bytes]
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
@@ -45,17 +48,24 @@ class ActivationMeter:
     def saving(self):
         def pack(t):
             holder = _Saved(t)
-            if t.data_ptr() not in self._params:
-                n = t.numel() * t.element_size()
-                self.live_bytes += n
-                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-                weakref.finalize(holder, self._release, n)
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._params:
+                entry = self._saves.setdefault(ptr, [0, t.untyped_storage().nbytes()])
+                if entry[0] == 0:
+                    self.live_bytes += entry[1]
+                    self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+                entry[0] += 1
+                weakref.finalize(holder, self._release, ptr)
             return holder
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t)
 
-    def _release(self, n: int) -> None:
-        self.live_bytes -= n
+    def _release(self, ptr: int) -> None:
+        entry = self._saves[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live_bytes -= entry[1]
+            del self._saves[ptr]
 
 
 class _Saved:
@@ -72,15 +82,16 @@ class Timeline:
     ``stage``, ``microbatch``, ``step``. Works for hand-written and library schedules alike: forward
     from forward pre/post hooks; backward from the full-backward pre-hook (its start) and a
     multi-grad hook over the stage's parameters (its end). ``memory`` is the stage's
-    :class:`ActivationMeter`; events carry its ``live_activation_bytes``.
+    :class:`ActivationMeter` (pass ``memory`` to share one between the stages of one rank); events
+    carry its ``live_activation_bytes`` at the box's end.
     """
 
-    def __init__(self, module: nn.Module, stage: int, log: runlog.RunLog):
+    def __init__(self, module: nn.Module, stage: int, log: runlog.RunLog, memory: ActivationMeter | None = None):
         self.stage, self.log, self.step = stage, log, 0
         self.ignore_forwards = 0  # forward passes to leave out (shape inference), see worker()
         self.fwd = self.bwd = 0
         self._t0 = self._b0 = 0.0
-        self.memory = ActivationMeter(module)
+        self.memory = memory or ActivationMeter(module)
         module.register_forward_pre_hook(self._fwd_start)
         module.register_forward_hook(self._fwd_end)
         module.register_full_backward_pre_hook(self._bwd_start)
@@ -119,33 +130,75 @@ def events(records: list[dict], step: int | None = None) -> list[dict]:
     return sorted(evs, key=lambda e: e["start"])
 
 
-def bubble_measured(evs: list[dict]) -> float:
-    """Idle fraction of a step: 1 − (busy time summed over stages) / (stages × span of the step)."""
-    stages = {e["stage"] for e in evs}
+def bubble_measured(evs: list[dict], by: str = "stage") -> float:
+    """Idle fraction of a step: 1 − (busy time summed over lanes) / (lanes × span of the step).
+
+    A lane is what computes one box at a time: a stage (``by="stage"``), or a rank (``by="rank"``,
+    for schedules with several stages per rank). Busy time is the sum of the logged boxes, so a pause
+    of the process inside a box counts as busy, and one between boxes as idle.
+    """
+    lanes = {e[by] for e in evs}
     span = max(e["end"] for e in evs) - min(e["start"] for e in evs)
     busy = sum(e["end"] - e["start"] for e in evs)
-    return 1 - busy / (len(stages) * span)
+    return 1 - busy / (len(lanes) * span)
 
 
-def gantt(evs: list[dict], ax=None, title: str = ""):
-    """Draw a Gantt chart of timeline events: one row per stage, F/B boxes labelled by micro-batch."""
+def step_costs(evs: list[dict], by: str = "stage") -> dict:
+    """Where one step's time goes, from its events (one stage per lane, GPipe or 1F1B), in seconds.
+
+    ``forward``/``backward``: median box duration; ``span``: first start to last end; ``ideal``:
+    the span of the same boxes with nothing between them, (m + p − 1)·(forward + backward);
+    ``overhead``: (span − ideal) / (m + p − 1), the time per micro-batch slot of the critical path
+    spent outside the boxes (send/recv, the schedule's Python, hooks, pauses); ``m``, ``p``.
+    """
+    import statistics
+
+    p, m = len({e[by] for e in evs}), len({e["microbatch"] for e in evs})
+    f = statistics.median(e["end"] - e["start"] for e in evs if e["event"] == "forward")
+    b = statistics.median(e["end"] - e["start"] for e in evs if e["event"] == "backward")
+    span = max(e["end"] for e in evs) - min(e["start"] for e in evs)
+    ideal = (m + p - 1) * (f + b)
+    return {"forward": f, "backward": b, "span": span, "ideal": ideal, "overhead": (span - ideal) / (m + p - 1),
+            "m": m, "p": p}
+
+
+def median_over_steps(records: list[dict], fn, steps) -> float:
+    """Median of ``fn(events of step)`` over ``steps`` (robust to a step a busy machine paused)."""
+    import statistics
+
+    return statistics.median(fn(events(records, step)) for step in steps)
+
+
+def memory_curve(evs: list[dict], lane: int, by: str = "stage") -> tuple[list[float], list[int]]:
+    """(ms since the step's first event, live activation bytes) at each box's end on ``lane``."""
+    t0 = min(e["start"] for e in evs)
+    mine = sorted((e for e in evs if e[by] == lane), key=lambda e: e["end"])
+    return [(e["end"] - t0) * 1e3 for e in mine], [e["live_activation_bytes"] for e in mine]
+
+
+def gantt(evs: list[dict], ax=None, title: str = "", by: str = "stage"):
+    """Draw a Gantt chart of timeline events: one row per stage (or per rank, ``by="rank"``), F/B
+    boxes labelled by micro-batch (and by stage when a rank holds several)."""
     from matplotlib.figure import Figure
 
+    lanes = sorted({e[by] for e in evs})
     fig = None
     if ax is None:
-        fig = Figure(figsize=(9, 0.6 + 0.55 * len({e['stage'] for e in evs})), layout="constrained")
+        fig = Figure(figsize=(9, 0.6 + 0.55 * len(lanes)), layout="constrained")
         ax = fig.add_subplot()
     t0 = min(e["start"] for e in evs)
     span = (max(e["end"] for e in evs) - t0) * 1e3
     for e in evs:
         color = "tab:blue" if e["event"] == "forward" else "tab:orange"
+        if by == "rank" and e["stage"] != e["rank"]:  # a rank's second stage: lighter
+            color = "lightskyblue" if e["event"] == "forward" else "navajowhite"
         left, width = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
-        ax.barh(e["stage"], width, left=left, color=color, edgecolor="black", linewidth=0.5)
+        ax.barh(e[by], width, left=left, color=color, edgecolor="black", linewidth=0.5)
         if width < 0.02 * span:  # too narrow for a label
             continue
-        ax.text(left + width / 2, e["stage"], f"{'F' if e['event'] == 'forward' else 'B'}{e['microbatch']}",
-                ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(sorted({e["stage"] for e in evs}), [f"stage {s}" for s in sorted({e['stage'] for e in evs})])
+        ax.text(left + width / 2, e[by], f"{'F' if e['event'] == 'forward' else 'B'}{e['microbatch']}",
+                ha="center", va="center", fontsize=7, color="black" if by == "rank" else "white")
+    ax.set_yticks(lanes, [f"{by} {s}" for s in lanes])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(title, loc="left", fontsize=10)

@@ -41,6 +41,25 @@ def test_hand_gpipe_equals_library_gpipe_and_1f1b_equals_unsplit(runs, no_leftov
 
 
 @pytest.mark.timeout(120)
+def test_interleaved_two_stages_per_rank_equals_unsplit(runs, no_leftovers):
+    m = 4
+    cfg = P.PipelineConfig(schedule="interleaved", n_microbatches=m, batch_size=32, steps=2,
+                           sizes=[1024, 512, 256, 128, 100], input_grad=True)
+    run, res = _run(cfg, runs)
+    _assert_equals_unsplit(run, res, cfg)
+    evs = T.events(runlog.read_run(run.run_dir), step=2)
+    assert {(e["stage"], e["rank"]) for e in evs} == {(0, 0), (1, 1), (2, 0), (3, 1)}  # stage s on rank s % 2
+    for s in range(4):
+        for kind in ("forward", "backward"):
+            assert sorted(e["microbatch"] for e in evs if e["stage"] == s and e["event"] == kind) == list(range(m))
+    by = {(e["event"], e["stage"], e["microbatch"]): e for e in evs}
+    for s in range(1, 4):
+        for i in range(m):
+            assert by[("forward", s, i)]["start"] >= by[("forward", s - 1, i)]["end"]
+    assert 0 < T.bubble_measured(evs, by="rank") < 1
+
+
+@pytest.mark.timeout(120)
 def test_indivisible_batch_hand_written_weights_by_share(runs, no_leftovers):
     cfg = P.PipelineConfig(schedule="hand-gpipe", n_microbatches=3, batch_size=32, steps=3)
     assert P.microbatch_sizes(32, 3) == [11, 11, 10]
@@ -52,6 +71,8 @@ def test_indivisible_batch_library_refused_before_any_process(runs):
     for schedule in ("gpipe", "1f1b"):
         with pytest.raises(ValueError, match="batch_size=32 is not divisible by n_microbatches=3"):
             launch(P.worker, P.PipelineConfig(schedule=schedule, n_microbatches=3, batch_size=32), 2, runs_dir=runs)
+    with pytest.raises(ValueError, match="interleaved needs n_microbatches divisible by the ranks: 3 % 2"):
+        launch(P.worker, P.PipelineConfig(schedule="interleaved", n_microbatches=3, batch_size=33), 2, runs_dir=runs)
     with pytest.raises(ValueError, match="1F1B needs n_microbatches ≥ stages: 1 < 2"):
         launch(P.worker, P.PipelineConfig(schedule="1f1b", n_microbatches=1), 2, runs_dir=runs)
     assert not list(runs.iterdir())
@@ -98,12 +119,54 @@ def test_1f1b_holds_fewer_activations_than_gpipe(runs, no_leftovers):
     for schedule in ("gpipe", "1f1b"):
         cfg = P.PipelineConfig(schedule=schedule, n_microbatches=8, batch_size=64, steps=1, save_params=False)
         _, res = _run(cfg, runs)
-        peaks[schedule] = res.values[0]["peak_activation_bytes"]
-    # stage 0 (1024→512→256) saves each Linear's input per micro-batch until that micro-batch's
-    # backward; GPipe holds all 8 micro-batches at once, 1F1B at most p − s = 2
-    mb_bytes = (64 // 8) * (1024 + 512) * 4
-    assert peaks["gpipe"] == 8 * mb_bytes
-    assert peaks["1f1b"] == 2 * mb_bytes
+        peaks[schedule] = (res.values[0]["peak_activation_bytes"], res.values[1]["peak_activation_bytes"])
+    # stage 0 (1024→512→ReLU→256→ReLU) keeps the input batch (one storage: the micro-batches are views
+    # of it) and, per micro-batch until its backward, each ReLU's output (which the next Linear also
+    # saves: one storage). GPipe holds all 8 micro-batches at once, 1F1B at most p − s = 2.
+    batch_bytes, mb_bytes = 64 * 1024 * 4, 8 * (512 + 256) * 4
+    assert peaks["gpipe"][0] == batch_bytes + 8 * mb_bytes
+    assert peaks["1f1b"][0] == batch_bytes + 2 * mb_bytes
+    # stage 1 (256→100, the loss): the int64 targets (one storage, like the inputs on stage 0) and per
+    # micro-batch its received input, log-softmax's output (saved by log_softmax and nll_loss, counted
+    # once) and nll_loss's total weight; 1F1B holds 1 micro-batch
+    targets_bytes, last_mb = 64 * 8, 8 * (256 + 100) * 4 + 4
+    assert peaks["gpipe"][1] == targets_bytes + 8 * last_mb
+    assert peaks["1f1b"][1] == targets_bytes + last_mb
+
+
+def test_meter_counts_storage_not_saves():
+    x = torch.randn(4, 10, requires_grad=True)
+    meter = T.ActivationMeter(torch.nn.Linear(1, 1))
+    with meter.saving():
+        logp = torch.log_softmax(x, 1)          # saves its output
+        loss = torch.nn.functional.nll_loss(logp, torch.zeros(4, dtype=torch.long))  # saves it again
+    assert meter.live_bytes == 4 * 10 * 4 + 4 * 8 + 4  # log-probs once, targets, total weight
+    loss.backward()
+    del loss, logp
+    assert meter.live_bytes == 0 and meter.peak_bytes == 4 * 10 * 4 + 4 * 8 + 4
+
+
+def _gpipe_timeline(m, f, b, gap, p=2):
+    """GPipe boxes as an ideal pipeline draws them, ``gap`` seconds between boxes on the critical path."""
+    def box(stage, event, mb, start, length):
+        return {"stage": stage, "rank": stage, "event": event, "microbatch": mb, "start": start, "end": start + length}
+    turn = (m + p - 1) * (f + gap)
+    return ([box(s, "forward", i, (s + i) * (f + gap), f) for s in range(p) for i in range(m)]
+            + [box(s, "backward", i, turn + (p - 1 - s + i) * (b + gap), b) for s in range(p) for i in range(m)])
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_bubble_and_step_costs_of_an_ideal_timeline(m):
+    evs = _gpipe_timeline(m, 1.0, 2.0, 0.0)
+    assert T.bubble_measured(evs) == pytest.approx(T.bubble_formula(2, m))
+    assert T.bubble_measured(evs, by="rank") == pytest.approx(T.bubble_formula(2, m))
+    costs = T.step_costs(evs)
+    assert (costs["m"], costs["p"], costs["forward"], costs["backward"]) == (m, 2, 1.0, 2.0)
+    assert costs["overhead"] == pytest.approx(0.0, abs=1e-12)
+    gap = 0.25  # the critical path has 2(m + p − 1) boxes and one gap fewer
+    costs = T.step_costs(_gpipe_timeline(m, 1.0, 2.0, gap))
+    assert costs["overhead"] == pytest.approx(2 * gap - gap / (m + 1))
+    assert T.bubble_measured(_gpipe_timeline(m, 1.0, 2.0, gap)) > T.bubble_formula(2, m)
 
 
 @pytest.mark.timeout(60)

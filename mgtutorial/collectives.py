@@ -1,7 +1,7 @@
 """DDP under the hood, part 1: the collectives, and DDP written from scratch (broadcast once,
 all-reduce every gradient). DDP's knobs and pitfalls are in :mod:`mgtutorial.ddp_internals`.
 
-Taught in notebooks/03_ddp_internals.ipynb. Follows
+Taught in notebooks/03a_collectives.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.html (collectives) and
 https://pytorch.org/docs/stable/notes/ddp.html (what DDP does for you).
 

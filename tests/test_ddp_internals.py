@@ -30,10 +30,11 @@ def _buckets(sizes: list[int], first_cap_bytes: int) -> list[int]:
 
 
 @pytest.mark.timeout(90)
-def test_default_buckets_and_find_unused_parameters(runs, no_leftovers):
+def test_default_buckets_find_unused_parameters_and_static_graph(runs, no_leftovers):
     default = launch(DI.hooks_worker, DI.HooksConfig(**COMMON), 2, runs_dir=runs)
     unused = launch(DI.hooks_worker, DI.HooksConfig(find_unused_parameters=True, **COMMON), 2, runs_dir=runs)
-    default.wait(timeout=60), unused.wait(timeout=60)
+    static = launch(DI.hooks_worker, DI.HooksConfig(static_graph=True, **COMMON), 2, runs_dir=runs)
+    default.wait(timeout=60), unused.wait(timeout=60), static.wait(timeout=60)
     sizes, cap = [p.numel() for p in models.ArticleCNN().parameters()], torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
     rebuilt = _buckets(sizes[::-1], cap)  # rebuilt in the order the gradients became ready (reverse)
     initial = _buckets(sizes, cap)[::-1]  # assigned in parameters() order, launched in reverse
@@ -43,6 +44,8 @@ def test_default_buckets_and_find_unused_parameters(runs, no_leftovers):
         assert rec["bucket_sizes"] == ([total] if rec["step"] == 1 else rebuilt)
     for rec in _syncs(unused):  # assigned at construction with the caps, never rebuilt
         assert rec["bucket_sizes"] == initial
+    for rec in _syncs(static):  # static_graph: one bucket for two steps, rebuilt before step 3
+        assert rec["bucket_sizes"] == ([total] if rec["step"] <= 2 else rebuilt)
 
 
 @pytest.mark.timeout(60)

@@ -111,3 +111,13 @@ def test_sync_batchnorm_refused_on_cpu_before_training():
     ctx = env.DistContext(0, 0, 2, "gloo", torch.device("cpu"), True)
     with pytest.raises(RuntimeError, match="SyncBatchNorm needs a CUDA GPU"):
         DI.apply_sync_batchnorm(torch.nn.BatchNorm2d(3), ctx)
+
+
+@pytest.mark.timeout(60)
+def test_async_allreduce_returns_before_the_late_rank_arrives(runs, no_leftovers):
+    cfg = C.TourConfig(size=4, barrier_delay_s=0.5)
+    r = launch(C.async_allreduce, cfg, 2, runs_dir=runs).wait(timeout=40).values
+    assert r[0]["completed_after_call"] is False  # rank 1 had not called it yet
+    assert r[0]["returned"] < r[1]["called"] <= r[0]["done"]  # rank 0 waited in wait(), not in the call
+    for v in r.values():
+        assert v["result"] == [10.0, 12.0, 14.0, 16.0]

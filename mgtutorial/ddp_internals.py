@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import ddp, env, models
 
@@ -41,7 +40,7 @@ class HooksConfig(ddp.DDPConfig):
     find_unused_parameters: bool = False
     """Passed to DDP; with it (and no ``static_graph``) DDP never rebuilds its buckets."""
     static_graph: bool = False
-    """Passed to DDP: the graph is the same every step (buckets rebuilt once, after step 1)."""
+    """Passed to DDP: the graph is the same every step (buckets rebuilt once, before step 3)."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer step; all but the last run under ``no_sync`` (no communication)."""
 
@@ -277,7 +276,8 @@ def sync_batchnorm_worker(cfg: BatchNormConfig) -> dict:
     """
     with env.distributed(cfg.backend) as ctx:
         bn = nn.BatchNorm2d(cfg.channels, momentum=1.0, affine=False)
-        model = DDP(apply_sync_batchnorm(nn.Sequential(bn), ctx), device_ids=[ctx.device.index])
+        # not wrapped in DDP: this model has no parameter (affine=False), which DDP refuses
+        model = apply_sync_batchnorm(nn.Sequential(bn), ctx)
         out = model(batchnorm_inputs(cfg, ctx.rank).to(ctx.device))
         layer = model.module[0]
         return {"out": out.tolist(), "running_mean": layer.running_mean.tolist(),

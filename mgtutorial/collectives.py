@@ -1,7 +1,7 @@
 """DDP under the hood, part 1: the collectives, and DDP written from scratch (broadcast once,
 all-reduce every gradient). DDP's knobs and pitfalls are in :mod:`mgtutorial.ddp_internals`.
 
-Taught in notebooks/03_ddp_internals.ipynb. Follows
+Taught in notebooks/03a_collectives.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.html (collectives) and
 https://pytorch.org/docs/stable/notes/ddp.html (what DDP does for you).
 
@@ -93,6 +93,26 @@ def collectives_tour(cfg: TourConfig) -> list[dict]:
         return records
 
 
+def async_allreduce(cfg: TourConfig) -> dict:
+    """One all-reduce with ``async_op=True`` while the last rank arrives ``barrier_delay_s`` late.
+
+    Returns this rank's ``called``, ``returned`` (the call) and ``done`` (``work.wait()`` returned),
+    unix s; ``completed_after_call`` (``work.is_completed()`` right after the call) and ``result``
+    (the ``(size,)`` sum, a list). On gloo ``async_op=False`` would block in the call; on NCCL every
+    collective returns at once like this one, queued on a CUDA stream.
+    """
+    with env.distributed(cfg.backend) as ctx:
+        t = _start_tensor(ctx.rank, cfg.size, ctx.device)
+        if ctx.rank == ctx.world_size - 1:
+            time.sleep(cfg.barrier_delay_s)
+        called = time.time()
+        work = dist.all_reduce(t, async_op=True)  # returns a Work handle at once
+        returned, completed = time.time(), work.is_completed()
+        work.wait()  # now t holds the sum
+        return {"called": called, "returned": returned, "completed_after_call": completed, "done": time.time(),
+                "result": t.tolist()}
+
+
 def tour_figure(records: list[dict]):
     """One row per collective, one column per rank, before → after, drawn from the logged tensors."""
     from matplotlib.figure import Figure
@@ -182,5 +202,5 @@ def scratch_worker(cfg: ddp.DDPConfig) -> dict:
 
 
 __all__ = [
-    "FromScratchDDP", "ScratchTrainer", "TourConfig", "apply_from_scratch_ddp", "collectives_tour", "scratch_worker", "tour_figure",
+    "FromScratchDDP", "ScratchTrainer", "TourConfig", "apply_from_scratch_ddp", "async_allreduce", "collectives_tour", "scratch_worker", "tour_figure",
 ]

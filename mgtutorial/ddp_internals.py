@@ -1,7 +1,7 @@
 """DDP's knobs and pitfalls: buckets and communication hooks, gradient accumulation with
 ``no_sync``, parameters the loss never uses, uneven inputs (``Join``), SyncBatchNorm.
 
-Taught in notebooks/03_ddp_internals.ipynb. Follows
+Taught in notebooks/03b_ddp_internals.ipynb. Follows
 https://pytorch.org/docs/stable/notes/ddp.html (buckets, overlap, ``no_sync``),
 https://pytorch.org/docs/stable/ddp_comm_hooks.html and
 https://pytorch.org/tutorials/advanced/generic_join.html (``Join``).
@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import ddp, env, models
 
@@ -34,8 +34,13 @@ from . import ddp, env, models
 class HooksConfig(ddp.DDPConfig):
     """:class:`~mgtutorial.ddp.DDPConfig` plus the DDP knobs this section turns."""
 
-    bucket_cap_mb: float = 25.0
-    """DDP's bucket size in MiB: gradients are all-reduced in buckets of about this size."""
+    bucket_cap_mb: float | None = None
+    """DDP's bucket size in MiB (None: DDP's default, 25 MiB, the first bucket capped at
+    ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` = 1 MiB)."""
+    find_unused_parameters: bool = False
+    """Passed to DDP; with it (and no ``static_graph``) DDP never rebuilds its buckets."""
+    static_graph: bool = False
+    """Passed to DDP: the graph is the same every step (buckets rebuilt once, before step 3)."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer step; all but the last run under ``no_sync`` (no communication)."""
 
@@ -47,16 +52,25 @@ class HooksConfig(ddp.DDPConfig):
 
 
 def counting_allreduce_hook(state, bucket):
-    """A DDP communication hook: records the bucket, then does DDP's usual all-reduce (average).
+    """A DDP communication hook: records the bucket, then does DDP's usual all-reduce (average),
+    and records when the all-reduce's future completes.
 
     ``(state: dict, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]``; left unannotated
     because DDP checks the annotation's *object*, which ``from __future__ import annotations`` turns
     into a string.
 
-    ``state["buckets"]`` collects ``(bucket index, elements, unix time)`` per call.
+    ``state["buckets"]`` collects one dict per call: ``index``, ``elements``, ``launched`` and
+    ``done`` (unix s; ``done`` is set by the future's callback: on gloo when the data has been
+    exchanged, on NCCL when the all-reduce is queued on its CUDA stream).
     """
-    state["buckets"].append((bucket.index(), bucket.buffer().numel(), time.time()))
-    return default_hooks.allreduce_hook(None, bucket)
+    rec = {"index": bucket.index(), "elements": bucket.buffer().numel(), "launched": time.time()}
+    state["buckets"].append(rec)
+
+    def done(fut):
+        rec["done"] = time.time()
+        return fut.value()
+
+    return default_hooks.allreduce_hook(None, bucket).then(done)
 
 
 class AccumulationTrainer(ddp.Trainer):
@@ -65,7 +79,8 @@ class AccumulationTrainer(ddp.Trainer):
     samples per step), all but the last under ``model.no_sync()``; each micro-batch's loss is
     divided by their number, so the gradient is the mean over all of them. ``max_steps`` counts
     optimizer steps, as everywhere. Logs a ``kind="sync"`` record per step: ``allreduce_calls``,
-    ``bucket_sizes`` (elements), ``bucket_times``, ``backward_start`` and ``backward_end`` (unix s).
+    ``bucket_sizes`` (elements), ``bucket_launched`` and ``bucket_done`` (unix s, per bucket),
+    ``backward_start`` and ``backward_end`` (unix s, around the last micro-batch's ``backward()``).
     """
 
     def __init__(self, model, train_set, test_set, optimizer, ctx: env.DistContext, cfg: HooksConfig):
@@ -78,17 +93,19 @@ class AccumulationTrainer(ddp.Trainer):
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         self.buckets["buckets"].clear()
-        k, total, t0 = self.cfg.accumulation_steps, 0.0, time.time()
+        k, total = self.cfg.accumulation_steps, 0.0
         for micro, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
             with self.model.no_sync() if micro < k - 1 else contextlib.nullcontext():
                 loss = self.loss_fn(self.model(xm), ym) / k
+                t0 = time.time()
                 loss.backward()  # DDP all-reduces only in the last micro-batch's backward
+                t1 = time.time()
             total += loss.item()
-        t1 = time.time()
         self.optimizer.step()
         b = self.buckets["buckets"]
-        self.log.write(kind="sync", step=self.step + 1, allreduce_calls=len(b), bucket_sizes=[s[1] for s in b],
-                       bucket_times=[s[2] for s in b], backward_start=t0, backward_end=t1)
+        self.log.write(kind="sync", step=self.step + 1, allreduce_calls=len(b), bucket_sizes=[s["elements"] for s in b],
+                       bucket_launched=[s["launched"] for s in b], bucket_done=[s.get("done") for s in b],
+                       backward_start=t0, backward_end=t1)
         return total
 
 
@@ -100,7 +117,8 @@ def hooks_worker(cfg: HooksConfig) -> dict:
         ValueError: ``accumulation_steps`` < 1 (``cfg.validate``, called before any rank starts).
     """
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
-        wrap = functools.partial(ddp.apply_ddp, bucket_cap_mb=cfg.bucket_cap_mb)
+        wrap = functools.partial(ddp.apply_ddp, bucket_cap_mb=cfg.bucket_cap_mb, static_graph=cfg.static_graph,
+                                 find_unused_parameters=cfg.find_unused_parameters)
         model, train_set, test_set, optimizer = ddp.build(cfg, ctx, wrap=wrap)
         return AccumulationTrainer(model, train_set, test_set, optimizer, ctx, cfg).train()
 
@@ -129,6 +147,9 @@ class PitfallConfig(ddp.DDPConfig):
     """Uneven inputs: the last rank trains this many more batches than the others."""
     use_join: bool = False
     """Wrap the loop in ``Join([model])`` so ranks that run out of data shadow the others' all-reduces."""
+    divide_by_initial_world_size: bool = True
+    """Passed to DDP's join hook: divide the gradients by the initial world size (True) or by the
+    number of ranks still training (False)."""
 
 
 class PitfallTrainer(ddp.Trainer):
@@ -136,6 +157,8 @@ class PitfallTrainer(ddp.Trainer):
     ``extra_batches_last_rank`` more steps; the epoch runs inside ``Join([model])`` if
     ``use_join``. Logs only local losses (``kind="train_local"``): the all-reduced loss of every
     step is itself a collective that ``Join`` does not cover. Logs ``kind="loop_done"`` after the loop.
+    With ``use_join`` it also logs ``kind="grad_scale"`` per step: ``ratio`` = ‖DDP's gradient‖ /
+    ‖this rank's own gradient‖ (computed with ``torch.autograd.grad``, which DDP does not reduce).
     """
 
     def __init__(self, *args, **kwargs):
@@ -143,11 +166,25 @@ class PitfallTrainer(ddp.Trainer):
         if self.ctx.rank == self.ctx.world_size - 1:
             self.max_steps = (self.max_steps or 4) + self.cfg.extra_batches_last_rank
 
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if not self.cfg.use_join:
+            return super()._run_batch(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(x), y)
+        params = list(self.model.parameters())
+        own = torch.autograd.grad(loss, params, retain_graph=True)  # this rank's gradient, not reduced
+        loss.backward()  # DDP's all-reduce (a joined rank contributes zeros)
+        ratio = torch.cat([p.grad.flatten() for p in params]).norm() / torch.cat([g.flatten() for g in own]).norm()
+        self.log.write(kind="grad_scale", step=self.step + 1, ratio=ratio.item())
+        self.optimizer.step()
+        return loss.item()
+
     def _log_step(self, epoch: int, loss: float) -> float:
         return self.log.write(kind="train_local", step=self.step, epoch=epoch, loss=loss)["loss"]
 
     def _run_epoch(self, epoch: int) -> float:
-        with Join([self.model]) if self.cfg.use_join else contextlib.nullcontext():
+        join = Join([self.model], divide_by_initial_world_size=self.cfg.divide_by_initial_world_size)
+        with join if self.cfg.use_join else contextlib.nullcontext():
             loss = super()._run_epoch(epoch)
         self.log.write(kind="loop_done", step=self.step)
         return loss
@@ -188,31 +225,66 @@ def apply_sync_batchnorm(model: nn.Module, ctx: env.DistContext) -> nn.Module:
 
 @dataclass(kw_only=True)
 class BatchNormConfig:
-    """Configuration of :func:`sync_batchnorm_worker`."""
+    """Configuration of :func:`batchnorm_by_hand_worker` and :func:`sync_batchnorm_worker`."""
 
     backend: str = "auto"
-    """"auto" | "gloo" | "nccl"; SyncBatchNorm needs "nccl" (GPUs)."""
+    """"auto" | "gloo" | "nccl"; the library's SyncBatchNorm needs "nccl" (GPUs)."""
     batch_size: int = 8
-    """Samples per rank."""
+    """Samples on rank 0; rank r has ``batch_size + r`` (uneven, so the counts matter)."""
     channels: int = 4
     """Channels of the BatchNorm layer."""
 
 
-def sync_batchnorm_worker(cfg: BatchNormConfig) -> dict:
-    """One forward pass through ``BatchNorm2d`` converted to SyncBatchNorm; returns the running mean.
+def batchnorm_inputs(cfg: BatchNormConfig, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s input, ``(batch_size + rank, channels, 4, 4)``, seeded by rank, mean ≈ rank."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(cfg.batch_size + rank, cfg.channels, 4, 4, generator=g) * (1 + rank) + rank
 
-    Each rank feeds a batch whose mean is its rank, so the synchronised running mean is the mean
-    over ranks. Refuses on CPU before any work (see :func:`apply_sync_batchnorm`).
+
+def synced_batch_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SyncBatchNorm's forward statistics by hand: each rank's per-channel mean, biased variance and
+    count of ``x`` ``(N_r, C, H, W)`` are all-gathered and combined. Returns (mean ``(C,)``, variance
+    ``(C,)``, count) of the batch of all ranks together."""
+    c, dims = x.shape[1], [0, 2, 3]
+    mine = torch.cat([x.mean(dims), x.var(dims, unbiased=False), torch.tensor([x.numel() / c])])
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    mean, var, n = torch.stack(parts).split([c, c, 1], dim=1)  # (world, C), (world, C), (world, 1)
+    total = n.sum()
+    g_mean = (n * mean).sum(0) / total
+    g_var = (n * (var + (mean - g_mean) ** 2)).sum(0) / total  # within-rank + between-rank variance
+    return g_mean, g_var, total
+
+
+def batchnorm_by_hand_worker(cfg: BatchNormConfig) -> dict:
+    """Normalise :func:`batchnorm_inputs` with :func:`synced_batch_stats` (eps 1e-5, no affine).
+
+    Returns ``out`` (this rank's normalised batch, nested lists), ``mean``, ``var`` (biased), ``count``.
     """
     with env.distributed(cfg.backend) as ctx:
-        model = apply_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(cfg.channels, momentum=1.0)), ctx)
-        model = DDP(model, device_ids=[ctx.device.index])
-        x = torch.randn(cfg.batch_size, cfg.channels, 4, 4, device=ctx.device) * 0.01 + ctx.rank
-        model(x)
-        return {"running_mean": model.module[0].running_mean.tolist()}
+        x = batchnorm_inputs(cfg, ctx.rank).to(ctx.device)
+        mean, var, n = synced_batch_stats(x)
+        out = (x - mean[None, :, None, None]) / torch.sqrt(var[None, :, None, None] + 1e-5)
+        return {"out": out.tolist(), "mean": mean.tolist(), "var": var.tolist(), "count": n.item()}
+
+
+def sync_batchnorm_worker(cfg: BatchNormConfig) -> dict:
+    """The library's version: ``BatchNorm2d(affine=False)`` converted to SyncBatchNorm, one forward
+    pass of :func:`batchnorm_inputs`. Returns ``out`` and ``running_mean``, ``running_var``
+    (momentum 1: the batch's own statistics). Refuses on CPU before any work
+    (see :func:`apply_sync_batchnorm`).
+    """
+    with env.distributed(cfg.backend) as ctx:
+        bn = nn.BatchNorm2d(cfg.channels, momentum=1.0, affine=False)
+        # not wrapped in DDP: this model has no parameter (affine=False), which DDP refuses
+        model = apply_sync_batchnorm(nn.Sequential(bn), ctx)
+        out = model(batchnorm_inputs(cfg, ctx.rank).to(ctx.device))
+        layer = model.module[0]
+        return {"out": out.tolist(), "running_mean": layer.running_mean.tolist(),
+                "running_var": layer.running_var.tolist()}
 
 
 __all__ = [
-    "AccumulationTrainer", "BatchNormConfig", "CNNWithUnusedHead", "HooksConfig", "PitfallConfig", "PitfallTrainer", "apply_sync_batchnorm",
+    "AccumulationTrainer", "BatchNormConfig", "batchnorm_by_hand_worker", "batchnorm_inputs", "synced_batch_stats", "CNNWithUnusedHead", "HooksConfig", "PitfallConfig", "PitfallTrainer", "apply_sync_batchnorm",
     "counting_allreduce_hook", "hooks_worker", "pitfall_worker", "sync_batchnorm_worker",
 ]

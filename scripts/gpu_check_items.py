@@ -564,7 +564,7 @@ def cuda_event_timing(w: Where) -> dict:
     return figures
 
 
-@item("nccl_async", chapter="03_ddp_internals", min_gpus=1, timeout_s=120,
+@item("nccl_async", chapter="03a_collectives", min_gpus=1, timeout_s=120,
       what="an NCCL all-reduce returns before it completes: call time vs synchronize, work.is_completed()")
 def nccl_async(w: Where) -> dict:
     return _ranks("async", w, w.nprocs)[0]
@@ -586,7 +586,7 @@ def ddp_nccl_vs_one_process(w: Where) -> dict:
     return figures
 
 
-@item("sync_batchnorm", chapter="03_ddp_internals", min_gpus=2, timeout_s=120,
+@item("sync_batchnorm", chapter="03b_ddp_internals", min_gpus=2, timeout_s=120,
       what="SyncBatchNorm on N GPUs == BatchNorm2d on the combined batch (outputs, statistics, gradients)")
 def sync_batchnorm(w: Where) -> dict:
     return _ranks("syncbn", w, w.nprocs)[0]

@@ -39,7 +39,8 @@ def test_refusal_comes_before_any_rank(runs):
 @pytest.mark.timeout(120)
 def test_accumulation_past_an_epoch_goes_on_into_the_next(runs, no_leftovers):
     # 256 synthetic samples, 2 ranks: 128 per rank = 5⅓ steps of 3 × 8; 8 steps need a second epoch
-    cfg = DI.HooksConfig(dataset="synthetic", batch_size=8, accumulation_steps=3, max_steps=8, evaluate=False)
+    cfg = DI.HooksConfig(dataset="synthetic", batch_size=8, accumulation_steps=3, max_steps=8, evaluate=False,
+                         bucket_cap_mb=25)  # one bucket: one all-reduce per optimizer step
     result = launch(DI.hooks_worker, cfg, 2, runs_dir=runs).wait(timeout=100)
     assert {r: v["steps"] for r, v in result.values.items()} == {0: 8, 1: 8}
     syncs = runlog.of_kind(runlog.read_run(result.run_dir), "sync")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -120,3 +121,58 @@ def test_sbatch_builds_srun_torchrun_command(tmp_path):
     bad = subprocess.run(["bash", str(ROOT / "scripts/slurm/ddp.sbatch")], env={"PATH": env["PATH"]},
                          capture_output=True, text=True, timeout=30)
     assert bad.returncode != 0 and "run this under sbatch" in bad.stderr
+
+
+# One rank of an attempt on a store that outlives it, as torchrun's rank-0 agent hosts it (c10d
+# rendezvous, shared TCPStore: MASTER_PORT is the same server for every attempt, and torch's own
+# round prefix ``torch.rendezvous.<run id>.<round>`` applies to the agents' rendezvous store only).
+ATTEMPT = """
+import datetime, os, sys, time, torch, torch.distributed as dist
+from mgtutorial import env
+if os.environ["RANK"] == "1":
+    time.sleep(float(sys.argv[2]))  # rank 1 of this attempt comes late: rank 0 reads the store first
+if sys.argv[1] == "env.distributed":  # with its PrefixStore("attempt_<TORCHELASTIC_RESTART_COUNT>")
+    with env.distributed("gloo", timeout_s=6):
+        dist.all_reduce(t := torch.ones(1))
+else:  # the same, on the bare store
+    timeout = datetime.timedelta(seconds=6)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.all_reduce(t := torch.ones(1))
+    dist.destroy_process_group()
+print("all_reduce", int(t))
+"""
+
+
+def _attempt(how: str, port: int, attempt: int) -> list[int]:
+    env_ = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=str(attempt),
+                PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", ATTEMPT, how, "2" if attempt else "0"],
+                              env={**env_, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    codes = []
+    for p in procs:
+        try:
+            p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+        codes.append(p.returncode)
+    return codes
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["env.distributed", "bare store"])
+def test_restarted_ranks_need_the_per_attempt_prefix(how, no_leftovers):
+    """Why env.distributed wraps the store in a per-attempt PrefixStore: attempt 1 on the store of a
+    finished attempt 0 reads attempt 0's keys (gloo's rank addresses) without it and fails."""
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    assert _attempt(how, server.port, 0) == [0, 0]  # the first attempt works either way
+    again = _attempt(how, server.port, 1)
+    if how == "env.distributed":
+        assert again == [0, 0]
+    else:
+        assert any(code != 0 for code in again), again

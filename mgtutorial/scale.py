@@ -238,7 +238,7 @@ def pids_at_collective(run_dir: str | os.PathLike, step: int, nranks: int, timeo
 def main_thread_frames(dump: str) -> list[str]:
     """The main thread's frames of a ``py-spy dump`` output, innermost first, colours removed."""
     dump = re.sub(r"\x1b\[[0-9;]*m", "", dump)
-    return [f.strip() for f in dump.split('"MainThread"')[1].split("\nThread ")[0].strip().splitlines()[1:]]
+    return [f.strip() for f in dump.split('"MainThread"')[1].split("\nThread ")[0].strip().splitlines()]
 
 
 def py_spy_dump(pid: int, timeout: float = 30) -> str:

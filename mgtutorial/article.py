@@ -1,10 +1,11 @@
 """The flaws of the blog post the course started from, each reproduced by code you can run, next to
 the fixed form.
 
-Taught in notebooks/06_article_review.ipynb. The article's two samples — a DDP CNN started with
-``mp.spawn`` and a "model parallel" MLP of sub-networks — are not reproduced here; each function
-below rebuilds just the one mistake it demonstrates, in our own code, and returns (or logs) the
-symptom so the notebook can show it and a test can assert it. Follows
+Taught in notebooks/06_article_review.ipynb, which shows the article's two samples (a DDP CNN
+started with ``mp.spawn``, a "model parallel" MLP of sub-networks) re-created with their flaws and
+reproduces the flaws that need no process group in its cells. Here: the workers for the flaws
+that need several ranks (each rebuilds one mistake, in our own code, and returns or logs the
+symptom) and the plumbing to run a snippet in a fresh interpreter. Follows
 https://pytorch.org/docs/stable/notes/ddp.html, https://pytorch.org/docs/stable/distributed.html
 and https://pytorch.org/docs/stable/multiprocessing.html.
 """
@@ -22,38 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import data, env, models, runlog
-
-ARTICLE_FLATTEN = 4608  # the article's hard-coded number: 32 × 12 × 12, right for 28 × 28 inputs
-
-
-# ---------------------------------------------------------------------------------------------
-# Sample 1, flaw 1: a hard-coded flatten size
-
-
-def flatten_as_written(batch_size: int, in_shape=(3, 32, 32)) -> tuple[int, ...]:
-    """The article's ``x.view(-1, 4608)`` after conv5×5(32) + 2×2 pool, on a ``(B, *in_shape)`` batch.
-
-    Returns the shape ``view`` produces. Raises RuntimeError (shape invalid) unless
-    ``B · 6272`` is a multiple of 4608, i.e. unless B is a multiple of 36 — then it *succeeds* with
-    the wrong number of rows (49 per 36 images), and the error moves on to the loss.
-    """
-    conv = nn.Conv2d(in_shape[0], 32, 5)
-    with torch.no_grad():
-        x = nn.functional.max_pool2d(torch.relu(conv(torch.zeros(batch_size, *in_shape))), 2)
-    return tuple(x.view(-1, ARTICLE_FLATTEN).shape)
-
-
-def loss_after_wrong_view(batch_size: int = 36) -> str:
-    """The message the loss raises when ``view(-1, 4608)`` produced 49 rows for 36 labels."""
-    rows = flatten_as_written(batch_size)[0]
-    logits = nn.Linear(ARTICLE_FLATTEN, 10)(torch.zeros(rows, ARTICLE_FLATTEN))
-    try:
-        nn.functional.cross_entropy(logits, torch.zeros(batch_size, dtype=torch.long))
-    except (ValueError, RuntimeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
+from . import data, env, runlog
 
 # ---------------------------------------------------------------------------------------------
 # Worker demonstrations (each rank runs one; they return what they saw)
@@ -172,57 +142,14 @@ def rank_from_gpu_worker(cfg: RankConfig) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Flaws shown without a process group
+# Plumbing for the flaws shown without a process group
 
 
-def init_without_master_env() -> str:
-    """``init_process_group(init_method="env://")`` in a process where nobody set MASTER_ADDR/PORT
-    (the article runs ``mp.spawn`` from a plain script). Runs in a fresh subprocess; returns the
-    error's last line."""
-    code = ("import os, torch.distributed as dist\n"
-            "for k in ('MASTER_ADDR', 'MASTER_PORT'): os.environ.pop(k, None)\n"
-            "dist.init_process_group('gloo', init_method='env://', rank=0, world_size=2)\n")
-    return _last_error_line(code)
-
-
-def set_start_method_twice() -> str:
-    """``mp.set_start_method('spawn')`` run a second time (a re-run cell, or a module that does it on
-    import) in a fresh subprocess; returns the error's last line."""
-    code = ("import torch.multiprocessing as mp\n"
-            "mp.set_start_method('spawn')\n"
-            "mp.set_start_method('spawn')\n")
-    return _last_error_line(code)
-
-
-def _last_error_line(code: str) -> str:
+def last_error_line(code: str, timeout: float = 60) -> str:
+    """Run ``code`` (Python source) in a fresh interpreter without ``MASTER_ADDR``/``MASTER_PORT``
+    (as a plain script started by hand has them); return the last line of its error, or
+    "no error". Used for the sample's ``env://`` and ``set_start_method`` calls."""
     env_ = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env_)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env_)
     lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
     return lines[-1] if out.returncode else "no error"
-
-
-def retained_graph_bytes(retain_graph: bool, steps: int = 3, batch_size: int = 64) -> list[int]:
-    """Bytes of saved activations still alive after each step's ``backward`` + ``step``, for the
-    article's MLP trained with ``backward(retain_graph=...)`` in the article's loop shape.
-
-    With ``retain_graph=True`` the whole graph of the last step (every saved activation) stays in
-    memory after backward, until the next step replaces ``loss``; with False it is freed at once.
-    """
-    from .timeline import ActivationMeter
-
-    model = models.ArticleMLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    meter = ActivationMeter(model)
-    after = []
-    x, y = torch.randn(batch_size, 1024), torch.randint(0, 100, (batch_size,))
-    loss = None
-    for _ in range(steps):
-        opt.zero_grad()
-        with meter.saving():
-            loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward(retain_graph=retain_graph)
-        opt.step()
-        after.append(meter.live_bytes)
-    del loss
-    return after
-

@@ -9,7 +9,7 @@ From the shell, one node, 2 ranks (gloo on CPU, NCCL with one GPU per rank)::
     python -m mgtutorial ddp --nproc 2 --epochs 2                   # launches its own ranks
     torchrun --standalone --nproc-per-node 2 -m mgtutorial ddp --epochs 2
 
-Several nodes: the same worker under ``torchrun --nnodes N ...`` (notebooks/05_scale_out.ipynb).
+Several nodes: the same worker under ``torchrun --nnodes N ...`` (notebooks/05a_torchrun_multinode.ipynb).
 """
 
 from __future__ import annotations

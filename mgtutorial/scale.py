@@ -1,7 +1,8 @@
 """Beyond one machine and surviving failures: torchrun commands, simulated nodes, elastic restarts,
 hangs and how to see inside them.
 
-Taught in notebooks/05_scale_out.ipynb. Follows https://pytorch.org/docs/stable/elastic/run.html
+Taught in notebooks/05a_torchrun_multinode.ipynb (commands, simulated nodes, SLURM) and
+notebooks/05b_elastic_and_hangs.ipynb (restarts, hangs). Follows https://pytorch.org/docs/stable/elastic/run.html
 (torchrun, rendezvous, ``--max-restarts``), https://pytorch.org/docs/stable/distributed.html#debugging-torch-distributed-applications
 (``TORCH_DISTRIBUTED_DEBUG``) and py-spy (https://github.com/benfred/py-spy).
 
@@ -15,6 +16,7 @@ Two nodes on a cluster, the same worker as chapter 02 (run on each node; SLURM's
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,14 +136,16 @@ class Agents:
 
 
 def simulated_nodes(module_args: list[str], nnodes: int = 2, nproc_per_node: int = 1,
-                    log_dir: str | os.PathLike = "runs/nodes", extra_env: dict | None = None) -> Agents:
+                    log_dir: str | os.PathLike = "runs/nodes", extra_env: dict | None = None,
+                    run_id: str | None = None) -> Agents:
     """Start ``nnodes`` torchrun agents on this machine as if each were a node: node ranks 0 … nnodes − 1,
-    one c10d rendezvous on 127.0.0.1 at a free port. Returns the running :class:`Agents`.
+    one c10d rendezvous (``--rdzv-id run_id``, default a fresh one) on 127.0.0.1 at a free port.
+    Returns the running :class:`Agents`.
 
     Every simulated node's ranks have local ranks 0, 1, …, so on a GPU machine they would all pick
     ``cuda:0``, which NCCL refuses: pass ``--backend gloo`` in ``module_args`` there."""
     endpoint = f"127.0.0.1:{free_port()}"
-    run_id = f"sim-{os.getpid()}-{int(time.time())}"
+    run_id = run_id or f"sim-{free_port()}"
     cmds = [torchrun_command(module_args, nproc_per_node=nproc_per_node, nnodes=nnodes,
                              rdzv_endpoint=endpoint, run_id=run_id) for _ in range(nnodes)]
     return Agents(cmds, log_dir, extra_env)
@@ -191,8 +195,9 @@ def hang_worker(cfg: HangConfig) -> dict:
     ``timeout_s``, then fail with an error that names the collective, the step and the time waited.
 
     Collectives are matched by order, not by step: rank 1's step-2 call (3 elements) pairs with
-    rank 0's step-1 call (2 elements). gloo does not check, and both ranks end up waiting for data
-    that never comes; the first to reach its timeout fails. With ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+    rank 0's step-1 call (2 elements). Such a mismatched pair is undefined behaviour: gloo may pair
+    them silently (as it does here, in torch 2.14) or hang; then both ranks wait for data that
+    never comes, and the first to reach its timeout fails. With ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
     the mismatch is caught at that very call. Logs ``kind="collective_start"`` before each
     all-reduce (so a debugger knows where each rank is). If the skipping rank gets past its
     collectives, it does ``rank_work_s`` of work of its own before leaving.
@@ -216,6 +221,26 @@ def hang_worker(cfg: HangConfig) -> dict:
         return {"steps": cfg.steps}
 
 
+def pids_at_collective(run_dir: str | os.PathLike, step: int, nranks: int, timeout: float = 60) -> dict[int, int]:
+    """Poll the run's ``kind="collective_start"`` records until ``nranks`` ranks have logged the
+    all-reduce of ``step``; returns {rank: pid}. Raises TimeoutError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = {rec["rank"]: rec["pid"] for rec in runlog.read_run(run_dir)
+                if rec.get("kind") == "collective_start" and rec["step"] == step}
+        if len(pids) >= nranks:
+            return pids
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only ranks {sorted(pids)} reached step {step} within {timeout} s")
+        time.sleep(0.2)
+
+
+def main_thread_frames(dump: str) -> list[str]:
+    """The main thread's frames of a ``py-spy dump`` output, innermost first, colours removed."""
+    dump = re.sub(r"\x1b\[[0-9;]*m", "", dump)
+    return [f.strip() for f in dump.split('"MainThread"')[1].split("\nThread ")[0].strip().splitlines()]
+
+
 def py_spy_dump(pid: int, timeout: float = 30) -> str:
     """The Python stack of a running process (``py-spy dump --pid PID``), e.g. of a hung rank.
 
@@ -225,3 +250,46 @@ def py_spy_dump(pid: int, timeout: float = 30) -> str:
     out = subprocess.run([str(exe) if exe.exists() else "py-spy", "dump", "--pid", str(pid)],
                          capture_output=True, text=True, timeout=timeout)
     return out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Output made readable: no paths, pids or C++ stacks of this machine
+
+
+def clean(text: str) -> str:
+    """``text`` without this machine's specifics: the repository's and the home folder's paths,
+    process ids (``pid 123``, ``pid: 123``, ``process 123``), and torchrun's ``of binary: /…/python``."""
+    root = Path(__file__).resolve().parents[1]
+    for path, short_ in ((Path.cwd(), ""), (root, ""), (Path.home(), "~")):
+        text = text.replace(str(path) + os.sep, short_)
+    text = re.sub(r" of binary: \S+", "", text)
+    return re.sub(r"\b(pid:? |process )\d+", r"\1…", text)
+
+
+def shell(cmd: list[str]) -> str:
+    """A command list as one would type it (``torchrun`` instead of the environment's full path)."""
+    return " ".join(["torchrun", *cmd[1:]] if cmd[0].endswith("torchrun") else cmd)
+
+
+def short(message: str) -> str:
+    """``message`` without gloo's source-file prefixes ``[/…/unbound_buffer.cc:78] ``."""
+    return re.sub(r"\[[^\]]*\.cc:\d+\] ", "", message)
+
+
+_AGENT_LINE = re.compile(r"\[?([WEI])\d{4} [\d:.]+ +\d* *\S+\] (.*)")
+
+
+def digest(output: str) -> str:
+    """What a torchrun output says, for a reader: the ranks' prints (``[rank N] …``), their one-line
+    errors, and the agents' one-line messages as ``agent W: …`` (timestamps, pids and file names
+    dropped); tracebacks and C++ stacks are counted, not shown."""
+    keep, dropped = [], 0
+    for line in clean(output).splitlines():
+        agent = _AGENT_LINE.match(line)
+        if line.startswith("[rank ") or re.match(r"\[rank\d+\]: \w+Error", line):
+            keep.append(short(line))
+        elif agent and not agent[2][:1].isspace() and not agent[2].startswith("Traceback"):
+            keep.append(f"agent {agent[1]}: {short(agent[2])}")
+        elif line.strip():
+            dropped += 1
+    return "\n".join(keep) + (f"\n({dropped} more lines: tracebacks and C++ stacks)" if dropped else "")

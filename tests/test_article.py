@@ -7,12 +7,15 @@ text needs a look.
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 from mgtutorial import article as A
 from mgtutorial import launch
 from mgtutorial import model_parallel as MP
 from mgtutorial.launch import WorkerFailed
-from mgtutorial.models import ArticleCNN, cnn_flatten_size
+from mgtutorial.models import ArticleCNN, ArticleMLP, cnn_flatten_size
+from mgtutorial.timeline import ActivationMeter
 
 
 def _flaw(flaw, runs, **kw):
@@ -20,11 +23,15 @@ def _flaw(flaw, runs, **kw):
 
 
 def test_flatten_4608_fails_or_silently_makes_wrong_rows():
+    conv, pool = nn.Conv2d(3, 32, 5), nn.MaxPool2d(2)  # the sample's layers, as the notebook has them
+    features = lambda b: pool(torch.relu(conv(torch.zeros(b, 3, 32, 32))))  # noqa: E731
     with pytest.raises(RuntimeError, match=r"shape '\[-1, 4608\]' is invalid for input of size 25088"):
-        A.flatten_as_written(4)
-    assert A.flatten_as_written(36) == (49, 4608)  # no error: 36 images became 49 rows
-    assert "Expected input batch_size (49) to match target batch_size (36)" in A.loss_after_wrong_view(36)
-    assert cnn_flatten_size((3, 32, 32)) == 6272 and ArticleCNN()(A.torch.zeros(36, 3, 32, 32)).shape == (36, 10)
+        features(4).view(-1, 4608)
+    rows = features(36).view(-1, 4608)
+    assert rows.shape == (49, 4608)  # no error: 36 images became 49 rows
+    with pytest.raises(ValueError, match=r"Expected input batch_size \(49\) to match target batch_size \(36\)"):
+        nn.functional.cross_entropy(nn.Linear(4608, 10)(rows), torch.zeros(36, dtype=torch.long))
+    assert cnn_flatten_size((3, 32, 32)) == 6272 and ArticleCNN()(torch.zeros(36, 3, 32, 32)).shape == (36, 10)
 
 
 @pytest.mark.timeout(60)
@@ -80,12 +87,28 @@ def test_world_size_gpus_times_subnets_waits_for_ranks_that_never_come(runs, no_
 
 
 def test_env_init_without_master_addr_and_set_start_method_twice():
-    assert "MASTER_ADDR expected, but not set" in A.init_without_master_env()
-    assert A.set_start_method_twice() == "RuntimeError: context has already been set"
+    init = "import torch.distributed as dist\ndist.init_process_group('gloo', init_method='env://', rank=0, world_size=2)"
+    assert "MASTER_ADDR expected, but not set" in A.last_error_line(init)
+    twice = "import torch.multiprocessing as mp\nmp.set_start_method('spawn')\nmp.set_start_method('spawn')"
+    assert A.last_error_line(twice) == "RuntimeError: context has already been set"
+    assert A.last_error_line("print('fine')") == "no error"
+
+
+def _alive_after_each_step(retain_graph: bool, steps: int = 3) -> list[int]:
+    model, x, y = ArticleMLP(), torch.randn(64, 1024), torch.randint(0, 100, (64,))
+    opt, meter, alive = torch.optim.SGD(model.parameters(), lr=0.01), ActivationMeter(model), []
+    for _ in range(steps):
+        opt.zero_grad()
+        with meter.saving():
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward(retain_graph=retain_graph)
+        opt.step()
+        alive.append(meter.live_bytes)
+    return alive
 
 
 def test_retain_graph_keeps_a_steps_activations_alive():
-    kept, freed = A.retained_graph_bytes(True), A.retained_graph_bytes(False)
+    kept, freed = _alive_after_each_step(True), _alive_after_each_step(False)
     assert freed == [0, 0, 0]
     assert kept[0] > 0 and kept == [kept[0]] * 3  # one step's worth, every step
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -90,16 +91,29 @@ def test_debug_detail_names_the_mismatch(runs, no_leftovers):
 def test_py_spy_shows_where_a_hung_rank_waits(runs, no_leftovers):
     run = launch(scale.hang_worker, scale.HangConfig(timeout_s=60, rank_work_s=60), 2, runs_dir=runs)
     try:
-        deadline = time.monotonic() + 40
-        while not (starts := [r for r in runlog.read_run(run.run_dir)
-                              if r.get("kind") == "collective_start" and r["rank"] == 0 and r["step"] == 2]):
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        pids = scale.pids_at_collective(run.run_dir, step=2, nranks=2, timeout=40)
         time.sleep(0.5)
-        dump = scale.py_spy_dump(starts[0]["pid"])
+        dump = scale.py_spy_dump(pids[0])
     finally:
         run.stop()
+    assert sorted(pids) == [0, 1]
     assert "all_reduce" in dump and "hang_worker" in dump, dump
+    frames = scale.main_thread_frames(dump)
+    assert frames[0].startswith("all_reduce") and any(f.startswith("hang_worker") for f in frames), frames
+
+
+def test_digest_keeps_rank_lines_and_agent_messages_without_machine_noise():
+    out = ("[rank 0] hello from pid 4321 on cpu\n"
+           "W1201 08:38:09.062000 28833 torch/distributed/elastic/multiprocessing/api.py:1028] "
+           "Sending process 28861 closing signal SIGTERM\n"
+           "E1201 08:38:09.126000 28833 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+           "(exitcode: -9) local_rank: 1 (pid: 28862) of binary: /somewhere/.venv/bin/python\n"
+           "Traceback (most recent call last):\n  File \"x.py\", line 1\n")
+    assert scale.digest(out).splitlines() == [
+        "[rank 0] hello from pid … on cpu",
+        "agent W: Sending process … closing signal SIGTERM",
+        "agent E: failed (exitcode: -9) local_rank: 1 (pid: …)",
+        "(2 more lines: tracebacks and C++ stacks)"]
 
 
 def test_sbatch_builds_srun_torchrun_command(tmp_path):
@@ -120,3 +134,62 @@ def test_sbatch_builds_srun_torchrun_command(tmp_path):
     bad = subprocess.run(["bash", str(ROOT / "scripts/slurm/ddp.sbatch")], env={"PATH": env["PATH"]},
                          capture_output=True, text=True, timeout=30)
     assert bad.returncode != 0 and "run this under sbatch" in bad.stderr
+
+
+# One rank of an attempt on a store that outlives it, as torchrun's rank-0 agent hosts it (c10d
+# rendezvous, shared TCPStore: MASTER_PORT is the same server for every attempt, and torch's own
+# round prefix ``torch.rendezvous.<run id>.<round>`` applies to the agents' rendezvous store only).
+ATTEMPT = """
+import datetime, os, sys, time, torch, torch.distributed as dist
+from mgtutorial import env
+if os.environ["RANK"] == "1":
+    time.sleep(float(sys.argv[2]))  # rank 1 of this attempt comes late: rank 0 reads the store first
+if sys.argv[1] == "env.distributed":  # with its PrefixStore("attempt_<TORCHELASTIC_RESTART_COUNT>")
+    with env.distributed("gloo", timeout_s=6):
+        dist.all_reduce(t := torch.ones(1))
+else:  # the same, on the bare store
+    timeout = datetime.timedelta(seconds=6)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.all_reduce(t := torch.ones(1))
+    dist.destroy_process_group()
+print("all_reduce", int(t))
+"""
+
+
+def _attempt(how: str, port: int, attempt: int) -> list[int]:
+    env_ = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=str(attempt),
+                PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", ATTEMPT, how, "2" if attempt else "0"],
+                              env={**env_, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    codes = []
+    for p in procs:
+        try:
+            p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+        codes.append(p.returncode)
+    return codes
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["env.distributed", "bare store"])
+def test_restarted_ranks_need_the_per_attempt_prefix(how, no_leftovers):
+    """Why env.distributed wraps the store in a per-attempt PrefixStore. On the bare store, attempt 1
+    writes and reads under the very key names attempt 0 left behind (the key count does not grow):
+    a rank can read a dead rank's gloo address before the new one is written, and then fails
+    (``Gloo connectFullMesh failed ... Connect timeout``, about every other run here, depending on
+    which side of the pair connects). Under the prefix each attempt has keys of its own and works."""
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    assert _attempt(how, server.port, 0) == [0, 0]  # the first attempt works either way
+    first = server.num_keys()
+    again = _attempt(how, server.port, 1)
+    if how == "env.distributed":
+        assert again == [0, 0] and server.num_keys() > first  # keys of its own
+    else:
+        assert server.num_keys() == first  # nothing new: attempt 1 used attempt 0's keys

@@ -1,9 +1,10 @@
 """The flaws of the blog post the course started from, each reproduced by code you can run, next to
 the fixed form.
 
-Taught in notebooks/06_article_review.ipynb, which shows the article's two samples (a DDP CNN
-started with ``mp.spawn``, a "model parallel" MLP of sub-networks) re-created with their flaws and
-reproduces the flaws that need no process group in its cells. Here: the workers for the flaws
+Taught in notebooks/06a_article_ddp.ipynb (the DDP CNN started with ``mp.spawn``) and
+notebooks/06b_article_model_parallel.ipynb (the "model parallel" MLP of sub-networks), which show
+the article's two samples re-created with their flaws and reproduce the flaws that need no process
+group in their cells. Here: the workers for the flaws
 that need several ranks (each rebuilds one mistake, in our own code, and returns or logs the
 symptom) and the plumbing to run a snippet in a fresh interpreter. Follows
 https://pytorch.org/docs/stable/notes/ddp.html, https://pytorch.org/docs/stable/distributed.html

@@ -1,7 +1,7 @@
 """Pipeline timelines: when each stage computes, how much activation memory it holds, and the bubble.
 
 Taught in notebooks/04_model_parallel.ipynb (Gantt charts of GPipe and 1F1B, measured vs formula
-bubbles) and used by notebooks/06_article_review.ipynb (what ``retain_graph=True`` keeps alive).
+bubbles) and used by notebooks/06b_article_model_parallel.ipynb (what ``retain_graph=True`` keeps alive).
 Built on module hooks and ``torch.autograd.graph.saved_tensors_hooks``
 (https://pytorch.org/docs/stable/autograd.html#saved-tensors-hooks).
 """
@@ -34,7 +34,7 @@ class ActivationMeter:
     ``with meter.saving(): ...`` installs saved-tensor hooks: ``live_bytes`` rises when a storage is
     first saved and falls when backward (or the graph's end) drops its last save; ``peak_bytes`` is
     the maximum since :meth:`reset_peak`. Measured, not assumed: this is how chapter 04 compares
-    GPipe with 1F1B and chapter 06 shows what ``retain_graph=True`` keeps alive.
+    GPipe with 1F1B and chapter 06b shows what ``retain_graph=True`` keeps alive.
     """
 
     def __init__(self, module: nn.Module):

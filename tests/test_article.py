@@ -111,6 +111,9 @@ def test_retain_graph_keeps_a_steps_activations_alive():
     kept, freed = _alive_after_each_step(True), _alive_after_each_step(False)
     assert freed == [0, 0, 0]
     assert kept[0] > 0 and kept == [kept[0]] * 3  # one step's worth, every step
+    # each storage once: every layer's float32 input and the log-softmax, the int64 targets, and the
+    # loss's float32 total weight (a ReLU output saved twice, by ReLU and the next Linear, counts once)
+    assert kept[0] == 64 * (1024 + 512 + 256 + 100) * 4 + 64 * 8 + 4
 
 
 @pytest.mark.timeout(60)

@@ -23,8 +23,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CHAPTERS = ("00_setup", "01_single_device", "02_ddp", "03a_collectives", "03b_ddp_internals",
-            "04_model_parallel", "05a_torchrun_multinode", "05b_elastic_and_hangs", "06_article_review",
-            "07_sharding", "08_tensor_parallel", "09_performance")
+            "04_model_parallel", "05a_torchrun_multinode", "05b_elastic_and_hangs", "06a_article_ddp",
+            "06b_article_model_parallel", "07_sharding", "08_tensor_parallel", "09_performance")
 WITH_LIVE_PLOT = ("01_single_device", "02_ddp")
 MAX_LINES = 30
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"

@@ -158,6 +158,7 @@ class Trainer:
             self.log.resume(step=self.step, epoch=self.first_epoch, batch=self.skip, attempt=self.attempt)
             ctx.print(f"resumed from {cfg.checkpoint}: {self.first_epoch} epoch(s) + {self.skip} batch(es), "
                       f"step {self.step}")
+        self.first_samples = self.samples
 
     def _inject_failure(self) -> None:
         if self.ctx.rank == self.cfg.fail_rank and self.step == self.cfg.fail_step and self.attempt == 0:
@@ -189,7 +190,7 @@ class Trainer:
     def _run_epoch(self, epoch: int) -> float:
         self.loader.sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
         self.model.train()
-        total = 0.0
+        losses = []
         self.batches_done = 0  # of this epoch, for a snapshot if max_steps cuts it short
         for batch, (x, y) in enumerate(self.loader):
             self.batches_done = batch
@@ -202,12 +203,12 @@ class Trainer:
             loss = self._run_batch(x.to(self.ctx.device), y.to(self.ctx.device))
             self.step += 1
             self.samples += len(y)
-            total = self._log_step(epoch, loss)
+            losses.append(self._log_step(epoch, loss))
             every = self.cfg.checkpoint_every
             if self.cfg.checkpoint and every and self.step % every == 0 and batch + 1 < len(self.loader):
                 self._save(epoch, batch + 1)
         self.skip = 0
-        return total
+        return sum(losses) / len(losses) if losses else float("nan")  # the epoch's mean loss
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
@@ -232,17 +233,21 @@ class Trainer:
         return correct / count, loss_sum / count
 
     def train(self) -> dict:
-        """Run the epochs (or ``max_steps``); log, evaluate, checkpoint. Returns a summary dict."""
-        start, acc = time.time(), None
+        """Run the epochs (or ``max_steps``); log, evaluate, checkpoint. Returns a summary dict whose
+        ``samples_per_s`` is the course's one throughput: samples trained ÷ ``train_time_s``, the seconds
+        in the epochs' step loops (evaluation, epoch-end checkpoints excluded); a job's is the ranks' sum."""
+        acc, train_time = None, 0.0
         epoch = self.first_epoch
         total = self.cfg.epochs * len(self.loader)
         self.log.plan(steps=min(total, self.max_steps or total))
         for epoch in range(self.first_epoch, self.cfg.epochs):
+            start = time.perf_counter()
             loss = self._run_epoch(epoch)
+            train_time += time.perf_counter() - start
             if self.cfg.evaluate:
                 acc, test_loss = self.evaluate()
                 self.log.eval(step=self.step, epoch=epoch, test_acc=acc, test_loss=test_loss)
-            self.ctx.print(f"epoch {epoch + 1}/{self.cfg.epochs}: step {self.step}, global loss "
+            self.ctx.print(f"epoch {epoch + 1}/{self.cfg.epochs}: step {self.step}, epoch mean loss "
                            f"{loss:.4f}" + (f", test accuracy {acc:.1%}" if acc is not None else ""))
             if self.cfg.checkpoint:
                 if self.batches_done < len(self.loader):  # max_steps cut the epoch short
@@ -251,11 +256,11 @@ class Trainer:
                     self._save(epoch + 1, 0)
             if self._done():
                 break
-        elapsed = time.time() - start
         self.log.close()
+        trained = self.samples - self.first_samples  # by this attempt (a resumed run starts counted)
         return {"rank": self.ctx.rank, "steps": self.step, "epochs_done": epoch + 1,
-                "test_acc": acc, "samples": self.samples, "train_time_s": elapsed,
-                "samples_per_s": self.samples / elapsed if elapsed > 0 else None}
+                "test_acc": acc, "samples": self.samples, "train_time_s": train_time,
+                "samples_per_s": trained / train_time if train_time > 0 else None}
 
 
 def worker(cfg: DDPConfig) -> dict:
@@ -268,14 +273,10 @@ def worker(cfg: DDPConfig) -> dict:
 
 
 def combined_batch_reference(cfg: DDPConfig, world_size: int) -> nn.Module:
-    """One plain process trained on what ``world_size`` DDP ranks see together, step by step.
-
-    At each step it takes the union of the ranks' batches (the same indices their
-    DistributedSamplers give) as one batch of ``batch_size × world_size`` samples. With equal
-    per-rank batches, the mean loss over that batch has the average of the ranks' gradients,
-    which is what DDP's all-reduce computes, so the parameters must match DDP's after every step.
-    Runs ``cfg.max_steps`` steps (required: else ValueError) of epoch 0. Returns the trained model (CPU).
-    """
+    """One plain process trained, step by step, on the union of what ``world_size`` DDP ranks see
+    (their DistributedSamplers' indices): one batch of ``batch_size × world_size``. With equal per-rank
+    batches its mean loss has the average of the ranks' gradients, what DDP's all-reduce computes.
+    Runs ``cfg.max_steps`` steps (required, else ValueError) of epoch 0; returns the model (CPU)."""
     if cfg.max_steps is None:
         raise ValueError("combined_batch_reference needs cfg.max_steps.")
     ctx = env.DistContext(0, 0, 1, "none", torch.device("cpu"), False)

@@ -293,5 +293,5 @@ def hello(cfg: HelloConfig) -> dict:
                             group_rank=_int_env("GROUP_RANK", 0), backend=ctx.backend, device=str(ctx.device),
                             host=platform.node(), pid=os.getpid(), rank_sum=int(t.item()),
                             env=variables())
-        print(f"[rank {ctx.rank}] hello from pid {os.getpid()} on {ctx.device}", flush=True)
+        print(f"[rank {ctx.rank}] hello, world size {ctx.world_size}, device {ctx.device}", flush=True)
         return rec

@@ -233,7 +233,6 @@ def launch(
         "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs),
         "GROUP_RANK": "0",
-        "TORCHELASTIC_RUN_ID": run_name,
         runlog.RUN_DIR_ENV: str(run_dir),
         env.BACKEND_ENV: chosen,
         "OMP_NUM_THREADS": str(threads_per_rank or os.environ.get("OMP_NUM_THREADS", "1")),

@@ -91,3 +91,19 @@ def test_checkpoint_roundtrip_without_processes(tmp_path):
     for a, b in zip(model.parameters(), fresh.parameters()):
         torch.testing.assert_close(a, b)
     assert opt2.state_dict()["state"][0]["momentum_buffer"].abs().sum() > 0
+
+
+@pytest.mark.timeout(90)
+def test_epoch_line_is_epoch_mean_and_throughput_counts_training_time(runs, no_leftovers):
+    cfg = ddp.DDPConfig(dataset="synthetic", epochs=2, batch_size=32, evaluate=False)
+    run = launch(ddp.worker, cfg, 2, runs_dir=runs)
+    res = run.wait(timeout=60)
+    recs = [r for r in runlog.read_run(run.run_dir) if r.get("kind") == "train" and r["rank"] == 0]
+    printed = [float(ln.rsplit(" ", 1)[1]) for ln in run.log_path(0, "out").read_text().splitlines()
+               if "epoch mean loss" in ln]
+    means = [sum(r["global_loss"] for r in recs if r["epoch"] == e) / sum(r["epoch"] == e for r in recs)
+             for e in (0, 1)]
+    assert printed == pytest.approx(means, abs=5e-5)  # 4 decimals printed
+    assert printed[1] != pytest.approx(recs[-1]["global_loss"], abs=5e-5)  # not the last step's loss
+    for v in res.values.values():
+        assert v["samples"] == 2 * 128 and v["samples_per_s"] * v["train_time_s"] == pytest.approx(v["samples"])

@@ -141,6 +141,7 @@ def test_environment_contract(runs, no_leftovers):
     result = launch(env.hello, env.HelloConfig(), 2, runs_dir=runs).wait(timeout=30)
     for r, rec in result.values.items():
         assert rec["local_rank"] == r and rec["world_size"] == 2 and rec["backend"] == "gloo"
+        assert rec["env"]["TORCHELASTIC_RUN_ID"] is None  # no elastic agent: is_torchelastic_launched() False
     out = (result.run_dir / "rank1.out").read_text()
-    assert "[rank 1] hello from pid" in out  # each rank's stdout lands in its own file
+    assert "[rank 1] hello, world size 2" in out  # each rank's stdout lands in its own file
     assert "[rank 1]" not in (result.run_dir / "rank0.out").read_text()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -52,17 +51,16 @@ class AbortConfig:
 
 def finish_then_abort(cfg: AbortConfig) -> str:
     with env.distributed() as ctx:
-        if ctx.rank == cfg.rank:
-            # SIGABRT once every rank's result is recorded, like a crash while the process shuts down
-            files = [runlog.run_dir() / f"rank{r}.result.json" for r in range(ctx.world_size)]
-            threading.Thread(target=_abort_when_recorded, args=(files,), daemon=True).start()
+        pass
+    if ctx.rank == cfg.rank:
+        # Like a crash while the process shuts down: this rank's result is recorded (as the rank's
+        # first code would record it), then, once every rank's result exists, the process aborts.
+        runlog.write_result("done")
+        files = [runlog.rank_file(runlog.run_dir(), r, "result.json") for r in range(ctx.world_size)]
+        while not all(f.exists() for f in files):
+            time.sleep(0.01)
+        os.abort()
     return "done"
-
-
-def _abort_when_recorded(files) -> None:
-    while not all(f.exists() for f in files):
-        time.sleep(0.01)
-    os.abort()
 
 
 @dataclass(kw_only=True)

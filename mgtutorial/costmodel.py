@@ -178,14 +178,25 @@ class Hardware:
     latency: float
     """Seconds per ring step (an assumption of the order nccl-tests show for small messages)."""
     sources: str
+    nics_per_node: int = 1
+    """Network ports per node, each at ``inter_bw``. NCCL runs one ring (channel) per port and
+    each ring leaves a node once, so the ports share a ring collective's inter-node traffic."""
+
+    def ring_bw(self, n_gpus: int) -> float:
+        """Bus bandwidth (B/s per direction) of a ring over ``n_gpus``: ``intra_bw`` inside a node;
+        beyond, ``min(intra_bw, nics_per_node × inter_bw)`` (the node's ports together)."""
+        if n_gpus <= self.gpus_per_node:
+            return self.intra_bw
+        return min(self.intra_bw, self.nics_per_node * self.inter_bw)
 
 
 H100 = Hardware(
     name="H100 SXM (DGX H100: 8 per node, NVLink 4, one 400 Gb/s NDR InfiniBand port per GPU)",
-    peak_flops=989e12, intra_bw=450e9, inter_bw=50e9, gpus_per_node=8, latency=5e-6,
-    sources="NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOP/s dense BF16 (1979 with sparsity), "
-            "NVLink 900 GB/s bidirectional = 450 GB/s each way; NVIDIA ConnectX-7 / Quantum-2 NDR: "
-            "400 Gb/s = 50 GB/s per port each way; the 5 µs per ring step is an assumption.",
+    peak_flops=989e12, intra_bw=450e9, inter_bw=50e9, gpus_per_node=8, latency=5e-6, nics_per_node=8,
+    sources="NVIDIA H100 Tensor Core GPU datasheet (https://www.nvidia.com/en-us/data-center/h100/): "
+            "989 TFLOP/s dense BF16 (1979 with sparsity), NVLink 900 GB/s bidirectional = 450 GB/s each "
+            "way; NVIDIA DGX H100 user guide: 8 ConnectX-7 ports per node, NDR InfiniBand 400 Gb/s = "
+            "50 GB/s per port each way; the 5 µs per ring step is an assumption.",
 )
 
 
@@ -209,10 +220,12 @@ def predict_step(strategy: str, model: Transformer, n_gpus: int, tokens_per_gpu:
     """Predicted step time of ``strategy`` ("ddp" | "fsdp2" | "tp") on ``n_gpus`` (a *prediction*).
 
     Compute: ``6·Ψ·tokens_per_gpu / (peak · efficiency)`` (``efficiency``: the fraction of peak the
-    kernels reach). Communication (bf16, ring, :func:`ring_time`); the link is NVLink while the job
-    fits in a node, else InfiniBand (the slowest link of the ring), unless ``link_bw`` is given:
+    kernels reach). Communication (bf16, ring, :func:`ring_time`) at ``link_bw`` if given, else
+    :meth:`Hardware.ring_bw` (NVLink inside a node; beyond, the node's InfiniBand ports together).
+    Overlap is taken as perfect, an optimistic bound (the last bucket or shard cannot hide):
 
-    * ddp: one all-reduce of the 2Ψ gradient bytes, overlapped with backward (⅔ of compute);
+    * ddp: one all-reduce of the 2Ψ gradient bytes, as if it could start when backward starts and
+      hide behind all of it (⅔ of compute);
     * fsdp2: all-gather of the parameters in forward and again in backward, reduce-scatter of the
       gradients: 3 × (n−1)/n × 2Ψ bytes, prefetched, so overlapped with all of compute;
     * tp: per block 4 all-reduces of the activations (tokens × hidden × 2 bytes: 2 in forward,
@@ -225,7 +238,7 @@ def predict_step(strategy: str, model: Transformer, n_gpus: int, tokens_per_gpu:
         raise ValueError(f"strategy={strategy!r} is not 'ddp', 'fsdp2' or 'tp'.")
     if n_gpus < 1:
         raise ValueError(f"n_gpus={n_gpus}: need at least 1.")
-    bw = link_bw or (hw.intra_bw if n_gpus <= hw.gpus_per_node else hw.inter_bw)
+    bw = link_bw or hw.ring_bw(n_gpus)
     compute = 6 * model.params * tokens_per_gpu / (hw.peak_flops * efficiency)
     grad_bytes = bytes_per_value * model.params
     if strategy == "ddp":

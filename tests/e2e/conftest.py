@@ -232,11 +232,13 @@ def artifacts() -> Path:
 
 @pytest.fixture
 def lab(tmp_path, artifacts):
-    """JupyterLab on a temporary copy of notebooks/ (the .ipynb files only, none of runs/)."""
+    """JupyterLab on a temporary copy of notebooks/ (the .ipynb files only, none of runs/) and scripts/."""
     notebook_dir = tmp_path / "notebooks"
     notebook_dir.mkdir()
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
         shutil.copy2(nb, notebook_dir / nb.name)
+    # the chapters read scripts/ beside notebooks/ (chapter 02 prints and runs scripts/minimal_ddp.py)
+    shutil.copytree(ROOT / "scripts", tmp_path / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
     server = JupyterLab(tmp_path, notebook_dir)
     try:
         server.start()

@@ -79,7 +79,8 @@ NOTEBOOK_STATE = """
     kernel: panel.sessionContext?.session?.kernel?.status || null,
     tracebacks: texts('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
       .filter((t) => t.includes('Traceback')),
-    errorTexts: texts('.jp-RenderedText').filter((t) => t.includes('Error')),
+    errorTexts: texts('.jp-RenderedText').filter(  // an error's 'Type: message' line, not the word in code
+      (t) => t.split(String.fromCharCode(10)).some((l) => /^[A-Za-z_.]*(Error|Exception): /.test(l))),
     widgetTrouble: texts('.jp-OutputArea-output').filter(
       (t) => t.includes('Loading widget') || t.includes('Error displaying widget')),
     train: out && {

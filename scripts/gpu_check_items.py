@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mgtutorial import RunResult, ddp, ddp_internals, env, launch, model_parallel, models, pipeline, runlog, timeline
+from mgtutorial import (RunResult, costmodel, ddp, ddp_internals, env, launch, model_parallel, models, perf, pipeline,
+                        runlog, timeline)
 
 # NVIDIA's libraries read this: no TF32 in cuBLAS/cuDNN, so GPU results compare with CPU fp32 ones
 NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}
@@ -104,11 +105,6 @@ def item(name: str, *, chapter: str, min_gpus: int, timeout_s: float, what: str)
 
 # ---------------------------------------------------------------------------------------------
 # plumbing
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Timer:
@@ -341,7 +337,7 @@ def async_rank(ctx, numel: int = 64 * 2**20, matmuls: int = 8, size: int = 4096)
     rows = {}
     for mode in ("async_op=True", "async_op=False"):
         t.fill_(1.0)
-        _sync(dev)
+        perf.sync(dev)
         for _ in range(matmuls):  # GPU work queued ahead of the collective
             torch.matmul(a, a, out=c)
         t0 = time.perf_counter()
@@ -355,7 +351,7 @@ def async_rank(ctx, numel: int = 64 * 2**20, matmuls: int = 8, size: int = 4096)
             event = torch.cuda.Event()
             event.record()
             row["stream_past_it_at_return"] = event.query()
-        _sync(dev)
+        perf.sync(dev)
         row["synchronized_ms"] = (time.perf_counter() - t0) * 1e3
         expect(torch.all(t == ctx.world_size).item(), f"all-reduce of ones gave {t[0].item()}, not {ctx.world_size}")
         rows[mode] = row
@@ -391,9 +387,9 @@ def busbw_rank(ctx, sizes: tuple[int, ...] = tuple(2**k for k in (10, 14, 18, 20
             for _ in range(iters):
                 dist.all_reduce(t)
         seconds = timer.ms / 1e3 / iters
-        algbw = nbytes / seconds / 1e9
-        rows.append({"bytes": nbytes, "time_us": seconds * 1e6, "algbw_GBps": algbw,
-                     "busbw_GBps": algbw * 2 * (n - 1) / n})
+        rows.append({"bytes": nbytes, "time_us": seconds * 1e6,
+                     "algbw_GBps": costmodel.algbw(nbytes, seconds) / 1e9,
+                     "busbw_GBps": costmodel.busbw("all_reduce", nbytes, seconds, n) / 1e9})
     return rows
 
 
@@ -498,7 +494,7 @@ def device_basics(w: Where) -> dict:
     figures["pinned"] = x.is_pinned() if w.cuda else "not on CPU"
     expect(figures["pinned"] in (True, "not on CPU"), "pin_memory=True gave unpinned batches", figures)
     xd, yd = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-    _sync(dev)
+    perf.sync(dev)
     expect(torch.equal(xd.cpu(), x) and torch.equal(yd.cpu(), y), "non_blocking copy changed the batch", figures)
     torch.manual_seed(0)
     model = models.ArticleCNN().to(dev)
@@ -533,7 +529,7 @@ def cuda_event_timing(w: Where) -> dict:
         a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
         for _ in range(2):
             a @ b
-        _sync(dev)
+        perf.sync(dev)
         t0 = time.perf_counter()
         with Timer(dev) as timer:
             for _ in range(iters):

@@ -99,7 +99,7 @@ def flaw_worker(cfg: FlawConfig) -> dict:
                                                   torch.randint(0, 3, (cfg.batch_size,), generator=g)).item()
                       for _ in range(4 + 2 * ctx.rank)]  # ranks with different numbers of batches
             out["summed"] = sum(losses)
-            total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+            total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64, device=ctx.device)  # NCCL: on the GPU
             dist.all_reduce(total)
             out["global_mean"] = float(total[0] / total[1])
         else:

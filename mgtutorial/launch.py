@@ -58,8 +58,8 @@ def _ref_of(obj, what: str) -> str:
     qualname = getattr(obj, "__qualname__", None)
     hint = (
         f"Move {what} {qualname or obj!r} into a .py file (e.g. a module of mgtutorial/ or your own "
-        "my_worker.py next to the notebook) and import it from there: worker processes are started "
-        "with 'spawn' and can only run code they can import; a function defined in a notebook cell "
+        "my_worker.py next to the notebook) and import it from there: worker processes (forked from a clean fork "
+        "server, or spawned) can only run code they can import; a function defined in a notebook cell "
         "or in __main__ lives in the parent's memory only."
     )
     if module in (None, "__main__", "builtins") or qualname is None or "<locals>" in qualname:

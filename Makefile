@@ -9,7 +9,7 @@ CHROMIUM ?= /usr/bin/chromium
 export MGTUTORIAL_CHROMIUM := $(CHROMIUM)
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 
-.PHONY: lab demo test test-unit test-notebooks test-e2e gpu-check chromium clean-runs
+.PHONY: lab demo test test-unit test-notebooks test-e2e gpu-check chromium clean-runs student
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,9 @@ chromium:
 	else \
 		echo "WARNING: $(CHROMIUM) is missing and needs root and apt-get to install: tests/e2e will be skipped"; \
 	fi
+
+student: $(STAMP)  ## the student edition in student/: solutions removed, exercise outputs cleared
+	$(PY) -m mgtutorial.exercises.edition --src notebooks --out student
 
 clean-runs:  ## delete run directories (logs, checkpoints, plots)
 	rm -rf runs notebooks/runs

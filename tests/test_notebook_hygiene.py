@@ -20,6 +20,8 @@ import nbformat
 import psutil
 import pytest
 
+from mgtutorial.exercises.edition import exercises_start
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CHAPTERS = ("00_setup", "01_single_device", "02_ddp", "03a_collectives", "03b_ddp_internals",
@@ -27,7 +29,8 @@ CHAPTERS = ("00_setup", "01_single_device", "02_ddp", "03a_collectives", "03b_dd
             "06b_article_model_parallel", "07_sharding", "08_tensor_parallel", "09_performance")
 WITH_LIVE_PLOT = ("01_single_device", "02_ddp")
 MAX_LINES = 30
-MAX_CELLS = 47
+MAX_CELLS = 47  # the lesson, up to the "## Exercises" heading
+MAX_EXERCISE_CELLS = 20
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -92,9 +95,52 @@ def check_errors(nb) -> list[str]:
 
 
 def check_cell_count(nb) -> list[str]:
-    """A notebook is one sitting: about 45 cells, never more than MAX_CELLS."""
-    n = len(nb.cells)
-    return [f"{n} cells (at most {MAX_CELLS}): split the chapter"] if n > MAX_CELLS else []
+    """A lesson is one sitting: about 45 cells before its Exercises, never more than MAX_CELLS;
+    the exercises (done in a workshop's lab time) at most MAX_EXERCISE_CELLS."""
+    start = exercises_start(nb)
+    lesson = len(nb.cells) if start is None else start
+    problems = [f"{lesson} lesson cells (at most {MAX_CELLS}): split the chapter"] if lesson > MAX_CELLS else []
+    if start is not None and (n := len(nb.cells) - start) > MAX_EXERCISE_CELLS:
+        problems.append(f"{n} exercise cells (at most {MAX_EXERCISE_CELLS})")
+    return problems
+
+
+_EXERCISE = re.compile(r"^### Exercise (\d\d[ab]?\.\d+) — .+ \(≈ \d+ min\)$", re.M)
+
+
+def check_exercises(nb) -> list[str]:
+    """Each exercise: a '### Exercise NN.k — title (≈ N min)' heading, a solution between markers,
+    and one checker cell (marked for nbval) printing one '✓ NN.k …' line."""
+    start = exercises_start(nb)
+    if start is None:
+        return []
+    problems, current, seen = [], None, {}
+    for cell in nb.cells[start:]:
+        if cell.cell_type == "markdown":
+            for heading in re.findall(r"^### .*$", cell.source, re.M):
+                if not (m := _EXERCISE.match(heading)):
+                    problems.append(f"heading {heading!r} is not '### Exercise NN.k — title (≈ N min)'")
+                    continue
+                current = m.group(1)
+                seen[current] = {"solution": False, "checks": []}
+            continue
+        if current is None:
+            continue
+        seen[current]["solution"] |= "BEGIN SOLUTION" in cell.source
+        lines = output_text_all(cell).splitlines()
+        ticks = [line for line in lines if line.startswith("✓ ")]
+        if "ex.ch" in cell.source:
+            seen[current]["checks"].append(ticks)
+            if CHECK_MARK not in cell.source:
+                problems.append(f"the checker cell of {current} is not marked {CHECK_MARK}")
+    for number, found in seen.items():
+        if not found["solution"]:
+            problems.append(f"exercise {number} has no '# BEGIN SOLUTION' block")
+        if [len(t) for t in found["checks"]] != [1] * max(1, len(found["checks"])):
+            problems.append(f"exercise {number} has no checker cell printing exactly one '✓' line")
+        elif not all(t[0].startswith(f"✓ {number} ") for t in found["checks"]):
+            problems.append(f"exercise {number}'s checker prints {found['checks']}, not '✓ {number} …'")
+    return problems
 
 
 def check_leftover_ranks(nb) -> list[str]:
@@ -110,6 +156,10 @@ def check_cell_length(nb) -> list[str]:
     return [f"code cell {i} has {n} lines (at most {MAX_LINES})"
             for i, cell in enumerate(code_cells(nb))
             if (n := len(cell.source.splitlines())) > MAX_LINES]
+
+
+def output_text_all(cell) -> str:
+    return "\n".join(output_text(o) for o in cell.get("outputs", []))
 
 
 def check_summary_exercises(nb) -> list[str]:
@@ -159,7 +209,7 @@ def check_checked_cells_stable(nb) -> list[str]:
 
 
 CHECKS = [check_kernel, check_executed, check_execution_order, check_errors, check_cell_length,
-          check_cell_count, check_leftover_ranks,
+          check_cell_count, check_exercises, check_leftover_ranks,
           check_summary_exercises, check_live_plot_figure, check_no_machine_paths,
           check_checked_cells_stable]
 
@@ -210,11 +260,17 @@ def _bad_notebook():
             nbformat.v4.new_output("stream", name="stdout", text="saved in /tmp/x1y2/ckpt.pt\n")]),
         nbformat.v4.new_code_cell("watch(run)", execution_count=7, outputs=[
             nbformat.v4.new_output("display_data", data={"image/png": png})]),
-        nbformat.v4.new_markdown_cell("## Summary\nno exercises heading"),
+        nbformat.v4.new_markdown_cell("## Recap\nno Summary heading"),
+    ]
+    exercises = [
+        nbformat.v4.new_markdown_cell("## Exercises\n\n### Exercise 9.1 without a time"),
+        nbformat.v4.new_markdown_cell("### Exercise 09.2 — no solution, unmarked checker (≈ 5 min)"),
+        nbformat.v4.new_code_cell("ex.ch09.two()", execution_count=9, outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text="✓ 09.2 x\n✓ 09.2 y\n")]),
     ]
     cells[4].metadata["tags"] = ["raises-exception"]
     cells += [nbformat.v4.new_markdown_cell("one more paragraph") for _ in range(MAX_CELLS)]
-    nb.cells = cells
+    nb.cells = cells + exercises
     return nb
 
 

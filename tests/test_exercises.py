@@ -1,0 +1,175 @@
+"""Every exercise both ways: the instructor edition's solutions pass their checkers, the student
+edition's untouched starters fail them with a hint, and ``make student`` removes every solution.
+
+Each notebook's "## Exercises" section is run on its own in a fresh kernel (so exercise cells must
+import what they use), in a temporary folder (``%%writefile`` starters land there). A checker cell
+is a code cell whose committed output holds a ``✓`` line.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from mgtutorial.exercises import edition
+from mgtutorial.exercises._common import PASS, ExerciseError, answered, attempt
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+WITH_EXERCISES = [p for p in NOTEBOOKS
+                  if (s := edition.exercises_start(nbformat.read(p, as_version=4))) is not None
+                  and any(c.cell_type == "code" for c in nbformat.read(p, as_version=4).cells[s:])]
+
+
+def _text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+
+
+def pass_lines(cell) -> list[str]:
+    return [line for line in _text(cell).splitlines() if line.startswith(PASS + " ")]
+
+
+def run_section(nb, tmp_path: Path):
+    """Execute the code cells of ``nb``'s Exercises section in a fresh kernel in ``tmp_path``."""
+    start = edition.exercises_start(nb)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    section = nbformat.v4.new_notebook(metadata=nb.metadata)
+    section.cells = [c for c in nb.cells[start:] if c.cell_type == "code"]
+    NotebookClient(section, timeout=300, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    return section.cells
+
+
+def errors(cell) -> list:
+    return [o for o in cell.outputs if o.output_type == "error"]
+
+
+# --- both ways, per notebook --------------------------------------------------------------------
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.stem)
+def test_solutions_pass_and_starters_fail(path, tmp_path):
+    instructor = nbformat.read(path, as_version=4)
+    committed = [c for c in instructor.cells[edition.exercises_start(instructor):] if c.cell_type == "code"]
+    checkers = [i for i, c in enumerate(committed) if pass_lines(c)]
+    assert checkers, f"{path.name}: no exercise cell prints a {PASS} line in the committed notebook"
+
+    solved = run_section(instructor, tmp_path / "instructor")
+    for i, cell in enumerate(solved):
+        assert not errors(cell), f"{path.name} exercise cell {i} fails on its solution:\n" \
+                                 f"{errors(cell)[0].ename}: {errors(cell)[0].evalue}"
+    for i in checkers:
+        assert pass_lines(solved[i]) == pass_lines(committed[i]), \
+            f"{path.name} exercise cell {i}: {pass_lines(solved[i])} != committed {pass_lines(committed[i])}"
+
+    started = run_section(edition.student_notebook(instructor, path.name), tmp_path / "student")
+    for i in checkers:
+        cell, exercise = started[i], pass_lines(committed[i])[0][2:].split(":")[0]
+        assert not pass_lines(cell), f"{path.name}: the untouched starter passes {exercise}"
+        errs = errors(cell)
+        assert errs and errs[0].ename in ("ExerciseError", "RankFailed"), \
+            f"{path.name}: the starter of {exercise} fails with " + \
+            (f"{errs[0].ename}: {errs[0].evalue}" if errs else "nothing") + " instead of a hint"
+        hint = errs[0].evalue
+        assert hint.startswith(exercise + ": ") and len(hint) > len(exercise) + 20, \
+            f"{path.name}: {exercise}'s starter fails without a specific hint: {hint!r}"
+
+
+# --- the student edition ------------------------------------------------------------------------
+
+def test_student_edition_has_no_solution(tmp_path):
+    written = edition.make_student(ROOT / "notebooks", tmp_path / "student")
+    assert {p.name for p in written if p.suffix == ".ipynb"} == {p.name for p in NOTEBOOKS}
+    for path in NOTEBOOKS:
+        instructor = nbformat.read(path, as_version=4)
+        student = nbformat.read(tmp_path / "student" / path.name, as_version=4)
+        nbformat.validate(student)
+        assert len(student.cells) == len(instructor.cells)
+        start = edition.exercises_start(instructor)
+        for i, (a, b) in enumerate(zip(instructor.cells, student.cells)):
+            assert edition.BEGIN not in b.source and edition.END not in b.source
+            for block in re.findall(r"BEGIN SOLUTION.*?\n(.*?)\n[^\n]*END SOLUTION", a.source, re.S):
+                for line in block.splitlines():
+                    if len(line.strip()) >= 12:
+                        assert line.strip() not in b.source, f"{path.name} cell {i} keeps {line.strip()!r}"
+            if b.cell_type == "code" and start is not None and i > start:
+                assert not b.outputs and b.execution_count is None
+
+
+@pytest.mark.timeout(300)
+def test_student_edition_runs_its_first_cells(tmp_path):
+    edition.make_student(ROOT / "notebooks", tmp_path / "student")
+    nb = nbformat.read(tmp_path / "student" / "00_setup.ipynb", as_version=4)
+    nb.cells = [c for c in nb.cells if c.cell_type == "code"][:3]
+    NotebookClient(nb, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path / "student")}}).execute()
+    assert all(c.outputs for c in nb.cells[:1])
+
+
+def test_make_student_refuses_its_source(tmp_path):
+    with pytest.raises(ValueError, match="folder of its own"):
+        edition.make_student(tmp_path, tmp_path)
+
+
+# --- the transformation and the shared checker pieces --------------------------------------------
+
+SOURCE = """def f(x):
+    # BEGIN SOLUTION
+    return x + 1
+    # END SOLUTION
+    # STARTER: return x
+print(f(1))
+"""
+
+
+def test_strip_solutions_removes_the_block_and_uncomments_the_starter():
+    student, blocks = edition.strip_solutions(SOURCE)
+    assert blocks == 1
+    assert student == "def f(x):\n    # your code here\n    return x\nprint(f(1))\n"
+    namespace: dict = {}
+    exec(SOURCE, namespace)  # the instructor edition runs its solution, the starter is a comment
+    assert namespace["f"](1) == 2
+
+
+def test_strip_solutions_in_markdown_keeps_no_placeholder():
+    text = "Why?\n<!-- BEGIN SOLUTION -->\nBecause.\n<!-- END SOLUTION -->\nNext."
+    assert edition.strip_solutions(text, code=False) == ("Why?\nNext.", 1)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("# BEGIN SOLUTION\nx\n", "never closed"),
+    ("x\n# END SOLUTION\n", "never opened"),
+    ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION\n", "inside"),
+])
+def test_strip_solutions_refuses_malformed_blocks(bad, message):
+    with pytest.raises(ValueError, match=message):
+        edition.strip_solutions(bad, where="nb cell 3")
+
+
+def test_student_notebook_clears_exercise_outputs_only():
+    out = [nbformat.v4.new_output("stream", name="stdout", text="shown\n")]
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("print('lesson')", execution_count=1, outputs=out),
+        nbformat.v4.new_markdown_cell("## Exercises\n\nsome"),
+        nbformat.v4.new_code_cell("print('exercise')", execution_count=2, outputs=out)])
+    student = edition.student_notebook(nb)
+    assert student.cells[0].outputs and not student.cells[2].outputs
+    assert nb.cells[2].outputs, "the instructor edition was changed"
+
+
+def test_attempt_turns_learner_errors_into_hints():
+    def starter():
+        raise NotImplementedError
+    def buggy():
+        return 1 / 0
+    with pytest.raises(ExerciseError, match="not written yet"):
+        attempt("9.9 x", starter)
+    with pytest.raises(ExerciseError, match="ZeroDivisionError"):
+        attempt("9.9 x", buggy)
+    with pytest.raises(ExerciseError, match="still `...`"):
+        answered(..., "9.9 x")
+    assert attempt("9.9 x", lambda: 3) == 3

@@ -25,11 +25,14 @@ import ast
 import dataclasses
 import inspect
 import os
+import re
 import sys
 import textwrap
 import types
 import typing
 from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from . import data, ddp, env, pipeline, runlog
 from .launch import launch
@@ -61,7 +64,7 @@ def add_config_options(p: argparse.ArgumentParser, cls) -> None:
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        doc = docs.get(f.name, "").replace("%", "%%")
+        doc = re.sub(r":\w+:`~?([^`]+)`", r"\1", docs.get(f.name, "")).replace("``", "").replace("%", "%%")
         flag = "--" + f.name.replace("_", "-")
         if kind is bool:
             names = [f"--no-{flag[2:]}"] if default else [flag]
@@ -95,12 +98,12 @@ def _run_under_torchrun(args, worker, cfg, name: str):
     run_name = args.run_name or f"{name}-torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
     os.environ.setdefault(runlog.RUN_DIR_ENV, str(Path(args.runs_dir).resolve() / run_name))
     run_dir = runlog.run_dir()
+    if callable(getattr(cfg, "validate", None)):  # before anything is written: a refused config leaves no folder
+        cfg.validate(env.world_size())
     run_dir.mkdir(parents=True, exist_ok=True)
     if env.rank() == 0:
         runlog.write_config(run_dir, f"{worker.__module__}:{worker.__qualname__}", env.world_size(),
                             cfg.backend, cfg)
-    if callable(getattr(cfg, "validate", None)):
-        cfg.validate(env.world_size())
     summary = worker(cfg)
     if env.rank() == 0:
         from . import live
@@ -131,9 +134,12 @@ def _run(args, worker, cfg, name: str, report) -> int:
             print(f"done in {result.duration_s:.1f} s: {report(summary)}")
             if (run_dir / "loss.png").exists():
                 print(f"loss curve: {run_dir / 'loss.png'}")
-    except (WorkerFailed, ValueError, FileNotFoundError) as exc:
+    except (WorkerFailed, ValueError, OSError) as exc:  # OSError: e.g. --runs-dir names a file
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, SignalException):
+        print("interrupted: every rank was stopped.", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -156,7 +162,13 @@ def _run_data(args) -> int:
         print(f"{args.name!r} needs no download (it ships with scikit-learn).")
         return 0
     root = Path(args.root or data.data_root())
-    data.load_cifar10(root, download=True)
+    try:
+        data.load_cifar10(root, download=True)
+    except (OSError, RuntimeError) as exc:  # offline, a proxy, a full disk, a corrupt archive
+        print(f"error: could not download CIFAR-10 into {root}: {type(exc).__name__}: {exc}\n"
+              "Check the network (or copy cifar-10-batches-py/ there by hand); the chapters run "
+              "without it on the digits set (dataset='auto').", file=sys.stderr)
+        return 1
     print(f"CIFAR-10 is in {root}; dataset='auto' now uses it.")
     return 0
 

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import data, env, models, runlog
 from .checkpoint import load_checkpoint, save_checkpoint
+from .config_checks import at_least, positive, rank_or_none
 
 
 @dataclass(kw_only=True)
@@ -79,13 +80,12 @@ class DDPConfig:
         Raises:
             ValueError: a value out of range. FileNotFoundError: CIFAR-10 asked for but not on disk.
         """
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1.")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps={self.max_steps}: must be at least 1 (or None for all epochs).")
-        if self.lr <= 0:
-            raise ValueError(f"lr={self.lr}: the learning rate must be positive.")
+        at_least(self, 1, "epochs", "batch_size", *(("max_steps",) if self.max_steps is not None else ()))
+        positive(self, "lr", "timeout_s")
+        at_least(self, 0, "momentum", "seed", "checkpoint_every")
+        rank_or_none(self, "fail_rank", world_size)
+        if self.resume and not self.checkpoint:
+            raise ValueError("resume=True needs the file to resume from: set checkpoint (--checkpoint PATH).")
         if self.fail_how not in ("raise", "sigkill"):
             raise ValueError(f"fail_how={self.fail_how!r} is not 'raise' or 'sigkill'.")
         data.check_available(data.resolve_dataset(self.dataset, self.data_root), self.data_root, self.download)

@@ -26,6 +26,7 @@ from torch.utils.data import TensorDataset
 
 from . import env, models, runlog
 from . import timeline as T
+from .config_checks import at_least, positive, rank_or_none
 
 SCHEDULES = ("hand-gpipe", "gpipe", "1f1b", "interleaved")
 
@@ -79,6 +80,11 @@ class PipelineConfig:
 
 def check_config(cfg: PipelineConfig, num_stages: int) -> None:
     """Refuse, before any work, what the schedule cannot do. Raises ValueError naming the values."""
+    at_least(cfg, 1, "steps", "batch_size")
+    at_least(cfg, 0, "seed")
+    positive(cfg, "lr", "timeout_s")
+    if len(cfg.sizes) < 2 or any(not isinstance(w, int) or w < 1 for w in cfg.sizes):
+        raise ValueError(f"sizes={cfg.sizes!r}: give at least two layer widths, each a positive integer.")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"schedule={cfg.schedule!r} is not one of {SCHEDULES}.")
     if cfg.n_microbatches < 1 or cfg.n_microbatches > cfg.batch_size:
@@ -97,6 +103,7 @@ def check_config(cfg: PipelineConfig, num_stages: int) -> None:
     stages = num_stages * (2 if cfg.schedule == "interleaved" else 1)
     if stages > len(cfg.sizes) - 1:
         raise ValueError(f"{stages} stages but the MLP has only {len(cfg.sizes) - 1} sub-networks.")
+    rank_or_none(cfg, "fail_stage", stages, "stage")
 
 
 def microbatch_sizes(batch_size: int, n_microbatches: int) -> list[int]:

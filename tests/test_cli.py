@@ -103,3 +103,53 @@ def test_cli_describe():
     out = subprocess.run([sys.executable, "-m", "mgtutorial", "describe"], capture_output=True, text=True,
                          timeout=60, env=_env())
     assert out.returncode == 0 and "backend: " in out.stdout and "default_nprocs: " in out.stdout
+
+
+def test_cli_runs_dir_that_is_a_file_is_an_error_not_a_traceback(tmp_path, capsys):
+    from mgtutorial.__main__ import main
+
+    not_a_dir = tmp_path / "runs"
+    not_a_dir.write_text("a file, not a folder")
+    assert main([*ARGS, "--nproc", "2", "--runs-dir", str(not_a_dir)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+
+
+def test_cli_interrupt_says_ranks_were_stopped(monkeypatch, capsys):
+    from mgtutorial import __main__ as cli
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_launch_locally", interrupted)
+    assert cli.main(ARGS) == 130
+    assert capsys.readouterr().err == "interrupted: every rank was stopped.\n"
+
+
+def test_cli_data_offline_is_an_error_with_the_fix(monkeypatch, tmp_path, capsys):
+    from mgtutorial import __main__ as cli
+
+    def offline(root, download):
+        raise OSError("[Errno -3] Temporary failure in name resolution")
+    monkeypatch.setattr(cli.data, "load_cifar10", offline)
+    assert cli.main(["data", "cifar10", "--root", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "could not download CIFAR-10" in err and "digits" in err
+
+
+def test_cli_under_torchrun_refuses_before_writing_anything(monkeypatch, tmp_path, capsys):
+    from mgtutorial import __main__ as cli
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(runlog.RUN_DIR_ENV, raising=False)
+    assert cli.main(["ddp", "--epochs", "0", "--runs-dir", str(tmp_path), "--run-name", "refused"]) == 1
+    assert "epochs=0" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
+
+
+def test_cli_help_has_no_rest_markup(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["ddp", "--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and ":func:" not in text and ":mod:" not in text

@@ -13,7 +13,15 @@ from mgtutorial import pipeline as P
     (ddp.DDPConfig(epochs=0), ValueError, "epochs=0: must be at least 1"),
     (ddp.DDPConfig(batch_size=0), ValueError, "batch_size=0: must be at least 1"),
     (ddp.DDPConfig(max_steps=0), ValueError, "max_steps=0: must be at least 1"),
-    (ddp.DDPConfig(lr=0), ValueError, "lr=0: the learning rate must be positive"),
+    (ddp.DDPConfig(lr=0), ValueError, "lr=0: must be positive"),
+    (ddp.DDPConfig(lr=float("nan")), ValueError, "lr=nan: must be a finite number"),
+    (ddp.DDPConfig(lr=float("inf")), ValueError, "lr=inf: must be a finite number"),
+    (ddp.DDPConfig(momentum=-5), ValueError, "momentum=-5: must be at least 0"),
+    (ddp.DDPConfig(timeout_s=0), ValueError, "timeout_s=0: must be positive"),
+    (ddp.DDPConfig(seed=-1), ValueError, "seed=-1: must be at least 0"),
+    (ddp.DDPConfig(checkpoint_every=-3), ValueError, "checkpoint_every=-3: must be at least 0"),
+    (ddp.DDPConfig(fail_rank=7), ValueError, r"fail_rank=7: must be -1 \(none\) or a rank of the job, 0 … 1"),
+    (ddp.DDPConfig(resume=True), ValueError, "resume=True needs the file to resume from"),
     (ddp.DDPConfig(fail_how="segfault"), ValueError, "fail_how='segfault' is not 'raise' or 'sigkill'"),
     (ddp.DDPConfig(dataset="imagenet"), ValueError, "dataset='imagenet' is not one of"),
     (ddp.DDPConfig(dataset="cifar10", data_root="/nonexistent"), FileNotFoundError, "CIFAR-10 is not in /nonexistent"),
@@ -24,6 +32,10 @@ from mgtutorial import pipeline as P
     (P.PipelineConfig(batch_size=30, n_microbatches=4), ValueError, "batch_size=30 is not divisible by n_microbatches=4"),
     (P.PipelineConfig(schedule="1f1b", n_microbatches=1), ValueError, r"1F1B needs n_microbatches ≥ stages: 1 < 2"),
     (P.PipelineConfig(sizes=[8, 4]), ValueError, "2 stages but the MLP has only 1 sub-networks"),
+    (P.PipelineConfig(steps=0), ValueError, "steps=0: must be at least 1"),
+    (P.PipelineConfig(sizes=[64, -4, 8]), ValueError, r"sizes=\[64, -4, 8\]: give at least two layer widths"),
+    (P.PipelineConfig(lr=float("nan")), ValueError, "lr=nan: must be a finite number"),
+    (P.PipelineConfig(fail_stage=2), ValueError, r"fail_stage=2: must be -1 \(none\) or a stage of the job, 0 … 1"),
 ])
 def test_validate_refuses(cfg, error, match):
     with pytest.raises(error, match=match):

@@ -9,6 +9,7 @@ https://pytorch.org/docs/stable/generated/torch.load.html (``weights_only``).
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import torch
@@ -42,8 +43,19 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None,
 
     ``map_location=device`` puts tensors on this rank's device; ``weights_only=True`` refuses
     arbitrary pickled code. Returns the checkpoint dict (``epoch``, ``step``).
+
+    Raises:
+        ValueError: ``path`` is not a file :func:`save_checkpoint` wrote (another format, truncated,
+            or a torch file without ``model``); the message names the file.
     """
-    state = torch.load(path, map_location=device, weights_only=True)
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path} is not a checkpoint written by save_checkpoint ({first}); "
+                         "point checkpoint at the file a previous run saved, or delete it to start afresh.") from exc
+    if not isinstance(state, dict) or "model" not in state:
+        raise ValueError(f"{path} holds no 'model' entry: it was not written by save_checkpoint.")
     models.unwrap(model).load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])

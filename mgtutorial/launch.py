@@ -127,7 +127,7 @@ def check_config(worker: Callable, cfg, nprocs: int, backend: str) -> tuple[str,
         TypeError: config not a dataclass instance or not JSON-serialisable.
         ValueError: whatever ``cfg.validate(nprocs)`` raises, if the config defines it.
     """
-    if not isinstance(nprocs, int) or nprocs < 1:
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r}: need at least 1 rank (an int ≥ 1).")
     chosen = env.resolve_backend(backend, nprocs)
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)

@@ -93,6 +93,17 @@ def test_checkpoint_roundtrip_without_processes(tmp_path):
     assert opt2.state_dict()["state"][0]["momentum_buffer"].abs().sum() > 0
 
 
+@pytest.mark.parametrize("content", [b"not a checkpoint at all", b"", "torch-without-model"])
+def test_load_checkpoint_names_a_file_it_did_not_write(tmp_path, content):
+    path = tmp_path / "c.pt"
+    if content == "torch-without-model":
+        torch.save({"weights": torch.zeros(2)}, path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match="c.pt .*(is not a checkpoint written by|holds no 'model')"):
+        ddp.load_checkpoint(path, models.ArticleCNN())
+
+
 @pytest.mark.timeout(90)
 def test_epoch_line_is_epoch_mean_and_throughput_counts_training_time(runs, no_leftovers):
     cfg = ddp.DDPConfig(dataset="synthetic", epochs=2, batch_size=32, evaluate=False)

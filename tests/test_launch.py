@@ -60,6 +60,8 @@ def test_worker_from_main_is_refused_before_start(runs):
 def test_bad_configurations_are_refused_before_start(runs, monkeypatch):
     with pytest.raises(ValueError, match="nprocs=0"):
         launch(env.hello, env.HelloConfig(), 0, runs_dir=runs)
+    with pytest.raises(ValueError, match="nprocs=True"):  # a bool is an int to Python, not a rank count
+        launch(env.hello, env.HelloConfig(), True, runs_dir=runs)
     monkeypatch.setattr(env, "gpu_count", lambda: 0)
     with pytest.raises(ValueError, match="needs CUDA GPUs.*gloo"):
         launch(env.hello, env.HelloConfig(backend="nccl"), 2, runs_dir=runs)

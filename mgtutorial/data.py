@@ -17,6 +17,7 @@ Datasets (all images ``(3, 32, 32)`` float, standardised; labels int64 in 0…9)
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -87,10 +88,38 @@ def load_cifar10(root: str | os.PathLike | None = None, download: bool = False):
 
     root = Path(root or data_root())
     check_available("cifar10", root, download)
+    if download and os.environ.get("LOCAL_RANK", "0") != "0":
+        # one download per machine: local rank 0 fetches, the other ranks wait for complete files
+        wait_for_cifar10(root)
+        download = False
     tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
     train = torchvision.datasets.CIFAR10(str(root), train=True, download=download, transform=tf)
     test = torchvision.datasets.CIFAR10(str(root), train=False, download=download, transform=tf)
     return train, test
+
+
+def wait_for_cifar10(root: str | os.PathLike, timeout_s: float = 3600.0, period_s: float = 2.0) -> None:
+    """Block until CIFAR-10 under ``root`` is complete (torchvision's checksums pass).
+
+    Ranks other than local rank 0 call it while local rank 0 downloads (:func:`load_cifar10` with
+    ``download=True``), so that one machine downloads once, not once per rank.
+
+    Raises:
+        TimeoutError: the files were not complete after ``timeout_s`` seconds.
+    """
+    import torchvision
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            for train in (True, False):
+                torchvision.datasets.CIFAR10(str(root), train=train, download=False)
+            return
+        except RuntimeError:  # "Dataset not found or corrupted": still downloading or extracting
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CIFAR-10 in {root} was still incomplete after {timeout_s:g} s: did "
+                                   "local rank 0's download fail? See its .err file.") from None
+            time.sleep(period_s)
 
 
 def load_synthetic(n_train: int = 256, n_test: int = 64, shape=(3, 32, 32), num_classes: int = 10,

@@ -63,3 +63,35 @@ def test_synthetic_is_reproducible():
     a, _ = data.load_synthetic(seed=3)
     b, _ = data.load_synthetic(seed=3)
     assert torch.equal(a.tensors[0], b.tensors[0]) and torch.equal(a.tensors[1], b.tensors[1])
+
+
+def test_only_local_rank_0_downloads_cifar10_the_others_wait(tmp_path, monkeypatch):
+    import torchvision
+
+    calls = []
+
+    class FakeCIFAR10:  # incomplete for the first two checks (as while local rank 0 downloads)
+        def __init__(self, root, train=True, download=False, transform=None):
+            calls.append(download)
+            if download or len(calls) <= 2:
+                if download:
+                    raise AssertionError("a rank other than local rank 0 downloaded")
+                raise RuntimeError("Dataset not found or corrupted.")
+
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", FakeCIFAR10)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    data.wait_for_cifar10(tmp_path, period_s=0)
+    assert calls == [False, False, False, False]  # two failed checks, then train and test complete
+    calls.clear()
+    data.load_cifar10(tmp_path, download=True)
+    assert calls and not any(calls), "local rank 1 must never download"
+
+
+def test_waiting_for_cifar10_gives_up_with_a_reason(tmp_path, monkeypatch):
+    import torchvision
+
+    def never_complete(*args, **kwargs):
+        raise RuntimeError("Dataset not found or corrupted.")
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", never_complete)
+    with pytest.raises(TimeoutError, match="local rank 0's download"):
+        data.wait_for_cifar10(tmp_path, timeout_s=0, period_s=0)

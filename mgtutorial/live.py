@@ -196,7 +196,7 @@ def follow_terminal(run, png: bool = True):
     from tqdm.auto import tqdm
 
     reader = runlog.RunReader(run.run_dir)
-    bar = tqdm(desc=run.run_dir.name, unit="step")
+    bar = tqdm(desc=run.run_dir.name, unit="step", delay=2.0)  # shown once the ranks have started (and said how many steps)
     try:
         while True:
             try:

@@ -44,7 +44,8 @@ def fits_in_80gb(predicted: dict) -> None:
     for scheme in ("zero1", "zero2", "zero3"):
         guess, truth = answered(predicted.get(scheme), ex, f"predicted[{scheme!r}]"), smallest_ranks(psi, scheme)
         gb = lambda n: M.memory_per_rank([(psi,)], n, scheme, "mixed")["total"] / 1e9
-        require(isinstance(guess, int) and guess >= 1, ex, f"predicted[{scheme!r}] = {guess!r}: give a number of ranks (an int ≥ 1)")
+        require(isinstance(guess, int) and guess >= 1, ex,
+                f"predicted[{scheme!r}] = {guess!r}: give a number of ranks (an int ≥ 1)")
         require(guess >= truth, ex, f"at N = {guess}, {scheme} still holds {gb(guess):.1f} GB per rank, not under 80: "
                                     f"which of 2Ψ + 2Ψ + 12Ψ does {scheme} divide by N?")
         if guess != truth:
@@ -56,7 +57,8 @@ def fits_in_80gb(predicted: dict) -> None:
 # --- 07.2 ---------------------------------------------------------------------------------------
 
 PAD_HINTS = {
-    ("zero2", "params"): "our ZeRO keeps the full parameters as views of ONE flat buffer of N·⌈Ψ/N⌉ elements (Ψ = 351)",
+    ("zero2", "params"): "our ZeRO keeps the full parameters as views of ONE flat buffer of N·⌈Ψ/N⌉ elements "
+                         "(Ψ = 351)",
     ("zero2", "grads"): "ZeRO-2 keeps its slice of the gradients: ⌈Ψ/N⌉ elements of 4 bytes",
     ("zero2", "optimizer"): "each rank keeps exp_avg and exp_avg_sq (4 + 4 bytes) for its ⌈Ψ/N⌉ elements",
     ("zero3", "params"): "FSDP2 pads each parameter's shard to ⌈d₀/N⌉ rows on every rank (the head has 3 rows)",
@@ -88,7 +90,8 @@ def padded_bytes(predicted: dict) -> None:
         for part, value in zip(parts, predicted[(scheme, rank)]):
             require(value == held[part], ex, f"rank {rank}, {scheme} {part}: measured {held[part]:,} B, you predicted "
                                              f"{value!r}: {PAD_HINTS[scheme, part]}")
-    passed(ex, "width 12 on 2 ranks: ZeRO-2 1408/704/1408 B, FSDP2 728/728/1456 B on rank 0 and 728/728/1352 B on rank 1, as measured")
+    passed(ex, "width 12 on 2 ranks: ZeRO-2 1408/704/1408 B, FSDP2 728/728/1456 B on rank 0 and "
+               "728/728/1352 B on rank 1, as measured")
 
 
 def run_worker(ex: str, worker, path: str, function: str, options: dict | None = None) -> dict:
@@ -121,7 +124,8 @@ def zero_step_worker(cfg: FileWorkerConfig) -> dict:
         model = S.make_model(scfg).to(ctx.device)
         z = S.ZeRO(model, ctx, 1, lr=scfg.lr)
         seen, counts, after_first = [], [], []
-        z.opt.register_step_pre_hook(lambda *_: seen.append(None if z.slice.grad is None else z.slice.grad.detach().cpu().clone()))
+        grad_now = lambda: None if z.slice.grad is None else z.slice.grad.detach().cpu().clone()
+        z.opt.register_step_pre_hook(lambda *_: seen.append(grad_now()))  # what opt.step() will use
 
         def step():
             with CommDebugMode() as mode:
@@ -159,7 +163,8 @@ def zero1_step(path: str = "ex07_zero.py") -> None:
     ex = "07.3 ZeRO-1 by hand"
     values = run_worker(ex, zero_step_worker, path, "zero1_step", options={"steps": 3})
     for rank, v in sorted(values.items()):
-        require(v["steps"] == 3, ex, f"rank {rank} called opt.step() {v['steps']} times in 3 steps: call it once per step")
+        require(v["steps"] == 3, ex, f"rank {rank} called opt.step() {v['steps']} times in 3 steps: "
+                                     "call it once per step")
         require(not v["grad_none"], ex, f"rank {rank}: shard.grad was None when opt.step() ran, so AdamW stepped "
                                         "nothing: set it to this rank's slice of the averaged gradient first")
         require(v["grad_vs_sum"] > 1e-6 or v["grad_vs_mean"] < 1e-6, ex,
@@ -243,8 +248,9 @@ def reshard_policy(path: str = "ex07_fsdp.py", predicted: dict | None = None) ->
                                     "fully_shard every block, then the root")
         for name, mine, truth in zip(names, yours["counts"], asked):
             require(mine == truth, ex, f"with B = {b} blocks, {name}: your shard_model runs {mine}, the asked "
-                                       f"policy {truth}: only the LAST block keeps its parameters (reshard_after_forward=False); "
-                                       "the other blocks reshard (True), the root keeps fully_shard's default")
+                                       f"policy {truth}: only the LAST block keeps its parameters "
+                                       "(reshard_after_forward=False); the other blocks reshard (True), the root "
+                                       "keeps fully_shard's default")
         for name, guess, truth in zip(names, predicted[b], asked):
             require(guess == truth, ex, f"with B = {b} blocks, {name}: {truth} counted, you predicted {guess}: "
                                         "backward gathers again only the units resharded after forward")

@@ -64,6 +64,7 @@ class Row:
 
 
 def _pip(spec: str) -> str:
+    """The install command a fix line prints, for this interpreter, online and from a wheel folder."""
     return f"{Path(sys.executable).name} -m pip install '{spec}'  (offline: add --no-index --find-links wheels)"
 
 
@@ -87,6 +88,7 @@ def requirements() -> tuple[str, list]:
 
 
 def check_python(spec: str) -> Row:
+    """This interpreter's version against ``spec`` (pyproject's requires-python, e.g. ">=3.10")."""
     from packaging.specifiers import SpecifierSet
 
     version = platform.python_version()
@@ -195,6 +197,7 @@ def check_widgets(jupyter_path: list[str] | None) -> Row:
 
 
 def check_cifar10() -> Row:
+    """CIFAR-10 in :func:`mgtutorial.data.data_root` (``$MGTUTORIAL_DATA``); missing is only a warning."""
     from . import data
 
     root = data.data_root()

@@ -9,7 +9,7 @@ CHROMIUM ?= /usr/bin/chromium
 export MGTUTORIAL_CHROMIUM := $(CHROMIUM)
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 
-.PHONY: lab demo test test-unit test-notebooks test-e2e gpu-check chromium clean-runs student
+.PHONY: lab demo check test test-unit test-notebooks test-e2e gpu-check chromium clean-runs student
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ lab: $(STAMP)  ## open the course in JupyterLab (token auth: use the URL it prin
 
 demo: $(STAMP)  ## the headless main job: DDP on 2 ranks, progress, final accuracy, loss.png
 	$(PY) -m mgtutorial ddp --nproc 2 --epochs 3 --dataset auto --runs-dir runs
+
+check: $(STAMP)  ## the laptop check for the morning of a workshop (WORKSHOP.md): a pass/fail table, exit 1 on a failure
+	$(PY) -m mgtutorial check
 
 test: $(STAMP) chromium  ## unit + multi-rank + end-to-end (JupyterLab in Chromium) tests, then every notebook under nbval
 	$(PY) -m pytest tests notebooks --nbval-lax

@@ -7,14 +7,15 @@ Commands::
     python -m mgtutorial pipeline --schedule 1f1b --microbatches 4   # one stage per rank
     python -m mgtutorial data cifar10          # download CIFAR-10 once (170 MB)
     python -m mgtutorial describe              # hardware and the backend the course picks
+    python -m mgtutorial check                 # the laptop check for a workshop (WORKSHOP.md)
 
 ``ddp`` and ``pipeline`` started from a plain shell launches its own ranks (:func:`mgtutorial.launch`), shows
 progress and writes ``<run dir>/loss.png``. Under ``torchrun`` (``RANK`` is set) it *is* one rank
 and runs the worker directly, without launching again.
 
-The options of ``ddp``, ``pipeline`` and ``hello`` are generated from the worker's config dataclass
+The options of ``ddp``, ``pipeline``, ``hello`` and ``check`` are generated from a config dataclass
 (:class:`~mgtutorial.ddp.DDPConfig`, :class:`~mgtutorial.pipeline.PipelineConfig`,
-:class:`~mgtutorial.env.HelloConfig`): one ``--field-name`` per field, with its default and its
+:class:`~mgtutorial.env.HelloConfig`, :class:`~mgtutorial.laptop_check.CheckConfig`): one ``--field-name`` per field, with its default and its
 docstring as help, so ``--help`` and the notebooks' configs never disagree.
 """
 
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from . import data, ddp, env, pipeline, runlog
+from . import data, ddp, env, laptop_check, pipeline, runlog
 from .launch import launch
 from .run import WorkerFailed
 
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_run_data)
     p = sub.add_parser("describe", help="hardware and the choices the course makes on it")
     p.set_defaults(func=_describe)
+    p = sub.add_parser("check", help="the laptop check for the morning of a workshop: a pass/fail table")
+    add_config_options(p, laptop_check.CheckConfig)
+    p.set_defaults(func=lambda args: laptop_check.main(_config(args)), config_class=laptop_check.CheckConfig)
     return parser
 
 

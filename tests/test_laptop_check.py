@@ -1,0 +1,161 @@
+"""The laptop check (``python -m mgtutorial check``): it passes here, and a broken environment (a
+missing or too old package, a taken port, ranks that do not finish, no widget front end) becomes
+FAIL rows with their fixes and exit code 1. Asserts on rows and exit codes, never on durations."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+from mgtutorial import laptop_check as lc
+
+ROWS = ("python", "torch", "torchvision", "jupyterlab", "ipywidgets", "matplotlib", "nbval", "cores, memory",
+        "port", "2 ranks", "widgets", "CIFAR-10", "disk", "GPU")
+
+
+def parse(table: str) -> dict[str, tuple[str, str, str]]:
+    """The printed table as {check: (result, details, fix)}; columns found from the header line."""
+    lines = table.splitlines()
+    col = lines[0].index("result")
+    rows: dict[str, list[str]] = {}
+    for line in lines[1:]:
+        name, status, rest = line[:col].strip(), line[col:col + 8].strip(), line[col + 8:]
+        if not name and status == "fix:":
+            rows[last][2] = rest
+        elif name:
+            rows[name], last = [status, rest, ""], name
+    return {k: tuple(v) for k, v in rows.items()}
+
+
+def check(capsys, **options) -> tuple[int, dict]:
+    code = lc.main(lc.CheckConfig(**{"timeout_s": 60.0, **options}))  # a slow machine is not the point here
+    return code, parse(capsys.readouterr().out.split("\nchecked in")[0].rsplit("\n", 1)[0])
+
+
+def _env(**extra):
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    return {**e, "OMP_NUM_THREADS": "1", **extra}
+
+
+@pytest.mark.timeout(120)
+def test_cli_exits_0_here_and_a_missing_cifar10_is_only_a_warning(tmp_path, no_leftovers):
+    out = subprocess.run([sys.executable, "-m", "mgtutorial", "check", "--runs-dir", str(tmp_path / "runs"),
+                          "--timeout", "60"],
+                         capture_output=True, text=True, timeout=100, env=_env(MGTUTORIAL_DATA=str(tmp_path)))
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = parse(out.stdout.split("\nchecked in")[0].rsplit("\n", 1)[0])
+    assert set(ROWS) <= set(rows), sorted(rows)
+    assert not [k for k, v in rows.items() if v[0] == "FAIL"]
+    assert {k: v[0] for k, v in rows.items() if v[0] not in ("pass", "info")}.keys() <= {"CIFAR-10", "cores, memory"}
+    assert rows["CIFAR-10"][0] == "WARN" and rows["2 ranks"][0] == "pass"
+    assert "python -m mgtutorial data cifar10" in rows["CIFAR-10"][2]
+    assert rows["GPU"][0] == "info" and "sum of ranks 1" in rows["2 ranks"][1]
+    assert not list((tmp_path / "runs").glob("*")), "the rank check writes its run to a temporary folder"
+
+
+@pytest.mark.timeout(120)
+def test_missing_and_too_old_packages_fail_with_a_pip_command(monkeypatch, capsys, no_leftovers):
+    real = metadata.version
+
+    def version(name):
+        if name == "nbval":
+            raise metadata.PackageNotFoundError(name)
+        return "2.3.0" if name == "torch" else real(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    code, rows = check(capsys)
+    assert code == 1
+    assert rows["nbval"][:2] == ("FAIL", "not installed (needs >=0.11)")
+    assert "pip install 'nbval>=0.11'" in rows["nbval"][2] and "--find-links wheels" in rows["nbval"][2]
+    assert rows["torch"][:2] == ("FAIL", "2.3.0 installed, but the course needs >=2.4,<2.15")
+    assert "pip install 'torch<2.15,>=2.4'" in rows["torch"][2]
+    assert [k for k, v in rows.items() if v[0] == "FAIL"] == ["torch", "nbval"]
+
+
+@pytest.mark.timeout(120)
+def test_a_taken_port_fails_the_port_and_the_rank_check(capsys, no_leftovers):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        code, rows = check(capsys, master_port=port)
+    assert code == 1
+    assert rows["port"][0] == "FAIL" and f"127.0.0.1:{port} is in use" in rows["port"][1]
+    assert f"lsof -i :{port}" in rows["port"][2] and "leave --master-port unset" in rows["port"][2]
+    assert rows["2 ranks"][0] == "FAIL" and rows["2 ranks"][1].startswith(f"not started: master_port={port}")
+    assert "leave --master-port unset" in rows["2 ranks"][2]
+    assert [k for k, v in rows.items() if v[0] == "FAIL"] == ["port", "2 ranks"]
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_do_not_finish_in_time_are_stopped_and_fail(no_leftovers):
+    row = lc.check_ranks(2, timeout_s=0, master_port=None)  # the deadline has passed at the first poll
+    assert row.status == "FAIL" and row.detail == "not finished after 0 s (the ranks were stopped)"
+    assert "firewall" in row.fix and "--timeout 60" in row.fix
+
+
+def test_bad_nprocs_is_refused_before_any_process_starts():
+    row = lc.check_ranks(0, timeout_s=5, master_port=None)
+    assert row.status == "FAIL" and row.detail == "not started: nprocs=0: need at least 1 rank (an int ≥ 1)."
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_widget_front_end_fails_and_a_present_one_passes(tmp_path, capsys, no_leftovers):
+    code, rows = check(capsys, jupyter_path=[str(tmp_path)])
+    assert code == 1 and [k for k, v in rows.items() if v[0] == "FAIL"] == ["widgets"]
+    assert rows["widgets"][1].startswith(f"{lc.WIDGETS_EXTENSION} is in none of 1 Jupyter data folders")
+    assert "pip install 'ipywidgets>=8'" in rows["widgets"][2] and "restart JupyterLab" in rows["widgets"][2]
+    ext = tmp_path / "labextensions" / lc.WIDGETS_EXTENSION
+    ext.mkdir(parents=True)
+    (ext / "package.json").write_text("{}")
+    assert lc.check_widgets([str(tmp_path / "elsewhere"), str(tmp_path)]) == lc.Row(
+        "widgets", "pass", f"{lc.WIDGETS_EXTENSION} in {tmp_path}")
+
+
+def test_cifar10_on_disk_passes(tmp_path, monkeypatch):
+    monkeypatch.setenv("MGTUTORIAL_DATA", str(tmp_path))
+    assert lc.check_cifar10().status == "WARN"
+    (tmp_path / "cifar-10-batches-py").mkdir()
+    (tmp_path / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"")
+    assert lc.check_cifar10() == lc.Row("CIFAR-10", "pass", f"on disk in {tmp_path}")
+
+
+def test_too_little_disk_fails_and_names_clean_runs(tmp_path):
+    row = lc.check_disk(str(tmp_path / "runs" / "not-yet"), need_gib=1e9)
+    assert row.status == "FAIL" and row.detail.endswith(f"at {tmp_path} (runs and CIFAR-10 want 1e+09 GiB)")
+    assert "make clean-runs" in row.fix
+
+
+def test_an_unknown_python_fails(monkeypatch):
+    monkeypatch.setattr(lc.platform, "python_version", lambda: "3.9.18")
+    row = lc.check_python(">=3.10")
+    assert (row.status, row.detail) == ("FAIL", "3.9.18, but the course needs >=3.10")
+
+
+def test_a_check_that_breaks_becomes_a_fail_row_and_the_others_still_run(monkeypatch):
+    monkeypatch.setattr(lc, "check_gpu", lambda: 1 / 0)
+    monkeypatch.setattr(lc, "check_ranks", lambda *a: lc.Row("2 ranks", "pass", "not started in this test"))
+    rows = {r.name: r for r in lc.run_checks(lc.CheckConfig())}
+    assert rows["GPU"].status == "FAIL" and "ZeroDivisionError" in rows["GPU"].detail
+    assert rows["disk"].status == "pass" and list(rows)[-1] == "GPU"
+
+
+def test_requirements_come_from_pyproject_with_the_test_extra():
+    spec, reqs = lc.requirements()
+    names = [r.name for r in reqs]
+    assert spec == ">=3.10" and {"torch", "ipywidgets", "nbval", "pytest"} <= set(names)
+    assert "playwright" not in names  # the e2e extra is not needed in a workshop
+
+
+def test_cli_options_are_the_config_fields():
+    from mgtutorial.__main__ import _config, build_parser, field_docs
+
+    assert _config(build_parser().parse_args(["check"])) == lc.CheckConfig()
+    args = build_parser().parse_args(["check", "--master-port", "5", "--timeout", "3", "--jupyter-path", "a", "b"])
+    assert _config(args) == lc.CheckConfig(master_port=5, timeout_s=3.0, jupyter_path=["a", "b"])
+    assert set(field_docs(lc.CheckConfig)) == {"nprocs", "timeout_s", "master_port", "runs_dir", "jupyter_path"}

@@ -77,8 +77,8 @@ def compare_with_reference(ex: str, ranks: list[dict], cfg: ddp.DDPConfig, tol: 
     for r, state in enumerate(ranks[1:], 1):
         d = max_diff(ranks[0], state)
         require(d < 1e-6, ex, f"after {cfg.max_steps} steps rank 0's and rank {r}'s parameters differ by up to "
-                              f"{d:.2g}: each stepped with its own gradient; all-reduce the gradients so that every rank "
-                              f"steps with {what}")
+                              f"{d:.2g}: each stepped with its own gradient; all-reduce the gradients so that "
+                              f"every rank steps with {what}")
     plain = env.DistContext(0, 0, 1, "none", torch.device("cpu"), False)
     init = ddp.build(cfg, plain)[0].state_dict()
     reference = ddp.combined_batch_reference(cfg, len(ranks)).state_dict()
@@ -148,7 +148,8 @@ def average_worker(cfg: AverageConfig) -> dict:
     parameters (:func:`save_params`). Returns ``{"calls_per_step"}`` (all-reduce calls)."""
     fn = function_from(cfg.path, "average_gradients")
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
-        model, train_set, test_set, optimizer = ddp.build(cfg, ctx, wrap=lambda m, c: _LearnerDDP(m.to(c.device), c, fn))
+        wrap = lambda m, c: _LearnerDDP(m.to(c.device), c, fn)  # noqa: E731
+        model, train_set, test_set, optimizer = ddp.build(cfg, ctx, wrap=wrap)
         collectives.ScratchTrainer(model, train_set, test_set, optimizer, ctx, cfg).train()
         save_params(model.module, ctx.rank)
         return {"calls_per_step": model.calls_per_step}

@@ -65,7 +65,9 @@ def flaw_worker(cfg: FlawConfig) -> dict:
     * ``summed_loss``: each rank's sum of batch losses over an epoch (what the article prints) vs
       the mean over all ranks and batches (``global_mean``).
     * ``no_destroy``: return without ``destroy_process_group``: the group is still up when the
-      worker ends (``initialized_at_exit``); gloo says nothing, NCCL warns and can hang at exit.
+      worker ends (``initialized_at_exit``). On gloo nothing is printed at exit; on NCCL torch
+      prints "WARNING: destroy_process_group() was not called before program exit, which can leak
+      resources" (torch 2.14.1).
     """
     if cfg.flaw == "no_destroy":
         # the article's shape: init, train, return — no destroy_process_group
@@ -146,11 +148,17 @@ def rank_from_gpu_worker(cfg: RankConfig) -> dict:
 # Plumbing for the flaws shown without a process group
 
 
-def last_error_line(code: str, timeout: float = 60) -> str:
+def run_snippet(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run ``code`` (Python source) in a fresh interpreter without ``MASTER_ADDR``/``MASTER_PORT``
-    (as a plain script started by hand has them); return the last line of its error, or
-    "no error". Used for the sample's ``env://`` and ``set_start_method`` calls."""
+    (as a plain script started by hand has them); return the finished process (``stdout``,
+    ``stderr``, ``returncode``, text)."""
     env_ = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env_)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env_)
+
+
+def last_error_line(code: str, timeout: float = 60) -> str:
+    """The last line of the error of ``code`` run by :func:`run_snippet`, or "no error". Used for
+    the sample's ``set_start_method`` called twice."""
+    out = run_snippet(code, timeout)
     lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
     return lines[-1] if out.returncode else "no error"

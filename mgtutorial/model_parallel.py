@@ -1,7 +1,8 @@
 """Model parallelism without a pipeline: the article's "model parallel" sample (N unsynchronised
 copies) and the naive split of one model over two devices in one process.
 
-Taught in notebooks/04_model_parallel.ipynb. Follows
+Taught in notebooks/04_model_parallel.ipynb (the naive split) and
+notebooks/06b_article_model_parallel.ipynb (the article's copies). Follows
 https://pytorch.org/tutorials/intermediate/model_parallel_tutorial.html (the naive split).
 """
 
@@ -15,7 +16,6 @@ from torch import nn
 from . import env, models, runlog
 from .pipeline import PipelineConfig, batches, mlp_data
 from .timeline import Timeline
-
 
 
 @dataclass(kw_only=True)
@@ -34,29 +34,57 @@ class ArticleConfig:
     """"auto" | "gloo" | "nccl"."""
 
 
+def article_batches(cfg: ArticleConfig, rank: int):
+    """The article worker's data on ``rank``: its own shuffle of one shared data set; yields ``(x, y)``
+    per step, ``cfg.batch_size`` rows each (the same in a rank and in a single process)."""
+    ds = mlp_data(cfg.steps * cfg.batch_size, seed=cfg.seed + 1)
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(1000 + rank))
+    for step in range(cfg.steps):
+        idx = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        yield ds.tensors[0][idx], ds.tensors[1][idx]
+
+
+def checksum(model: nn.Module) -> float:
+    """Sum of every parameter (float64): equal on two copies that hold the same weights."""
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
 def article_worker(cfg: ArticleConfig) -> dict:
     """What the article's second sample does: every rank builds the *whole* MLP, trains it on its own
     shuffle of the data and never exchanges a gradient — N unsynchronised copies, not a split model.
 
-    Logs per step ``kind="article"`` with this rank's parameter count and a parameter checksum, and
-    writes its final parameters to ``<run dir>/rank<r>-model.pt``.
+    Logs ``kind="article_start"`` (parameter count and :func:`checksum` of the starting weights),
+    then per step ``kind="article"`` with the same two and the loss, and writes its final parameters
+    to ``<run dir>/rank<r>-model.pt``.
     """
     with env.distributed(cfg.backend) as ctx, runlog.RunLog() as log:
         env.seed_everything(cfg.seed)
         model = models.ArticleMLP().to(ctx.device)  # the whole model on every rank
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-        ds = mlp_data(cfg.steps * cfg.batch_size, seed=cfg.seed + 1)
-        order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(1000 + ctx.rank))
-        for step in range(1, cfg.steps + 1):
-            idx = order[(step - 1) * cfg.batch_size:step * cfg.batch_size]
+        n = models.count_parameters(model)
+        log.write(kind="article_start", parameters=n, checksum=checksum(model))
+        for step, (x, y) in enumerate(article_batches(cfg, ctx.rank), start=1):
             opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(ds.tensors[0][idx].to(ctx.device)), ds.tensors[1][idx].to(ctx.device))
-            loss.backward()
+            loss = nn.functional.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device))
+            loss.backward()  # and nothing is exchanged between the ranks
             opt.step()
-            log.write(kind="article", step=step, loss=loss.item(), parameters=models.count_parameters(model),
-                      checksum=float(sum(p.double().sum() for p in model.parameters())))
+            log.write(kind="article", step=step, loss=loss.item(), parameters=n, checksum=checksum(model))
         torch.save(model.state_dict(), runlog.run_dir() / f"rank{ctx.rank}-model.pt")
-        return {"parameters": models.count_parameters(model)}
+        return {"parameters": n}
+
+
+def combined_batch_reference(cfg: ArticleConfig, nprocs: int = 2) -> dict:
+    """The state dict of one model trained in this process on the ``nprocs`` ranks' batches of each
+    step at once: what synchronised copies (mean gradient, equal batch sizes) must end with."""
+    env.seed_everything(cfg.seed)
+    model = models.ArticleMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    for step in zip(*(article_batches(cfg, r) for r in range(nprocs))):
+        opt.zero_grad()
+        x, y = (torch.cat(t) for t in zip(*step))
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
 
 
 def naive_devices() -> list[torch.device]:

@@ -64,7 +64,12 @@ def test_summed_epoch_loss_differs_per_rank_global_mean_agrees(runs, no_leftover
 
 @pytest.mark.timeout(60)
 def test_no_destroy_leaves_the_group_up(runs, no_leftovers):
-    assert all(v["initialized_at_exit"] for v in _flaw("no_destroy", runs).values())
+    run = launch(A.flaw_worker, A.FlawConfig(flaw="no_destroy"), 2, runs_dir=runs)
+    res = run.wait(timeout=60)
+    assert all(v["initialized_at_exit"] for v in res.values.values())
+    if run.backend == "gloo":  # the chapter: on gloo nothing is printed at exit
+        for r in res.values:
+            assert "destroy_process_group" not in (res.run_dir / f"rank{r}.err").read_text()
 
 
 @pytest.mark.timeout(60)
@@ -120,3 +125,23 @@ def test_retain_graph_keeps_a_steps_activations_alive():
 def test_model_parallel_sample_is_whole_copies(runs, no_leftovers):
     res = launch(MP.article_worker, MP.ArticleConfig(steps=3), 2, runs_dir=runs).wait(timeout=40)
     assert res.values[0]["parameters"] == res.values[1]["parameters"] == MP.models.count_parameters(MP.models.ArticleMLP())
+    records = A.runlog.read_run(res.run_dir)
+    start = {r["rank"]: r["checksum"] for r in A.runlog.of_kind(records, "article_start")}
+    sums = {(r["rank"], r["step"]): r["checksum"] for r in A.runlog.of_kind(records, "article")}
+    assert start[0] == start[1]  # the same starting weights …
+    assert all(sums[0, s] != sums[1, s] for s in (1, 2, 3))  # … then copies that drift apart
+
+
+@pytest.mark.timeout(60)
+def test_synchronised_copies_equal_one_model_on_both_batches(runs, no_leftovers, tmp_path):
+    from mgtutorial.exercises import ch06b
+
+    sync = tmp_path / "sync.py"
+    sync.write_text("import torch.distributed as dist\n\ndef sync_gradients(model, ctx):\n"
+                    "    for p in model.parameters():\n        dist.all_reduce(p.grad)\n"
+                    "        p.grad /= ctx.world_size\n")
+    res = launch(ch06b.sync_worker, ch06b.SyncConfig(path=str(sync), steps=3), 2, runs_dir=runs).wait(timeout=40)
+    reference = MP.combined_batch_reference(MP.ArticleConfig(steps=3), nprocs=2)
+    for r in (0, 1):
+        torch.testing.assert_close(torch.load(res.run_dir / f"rank{r}-model.pt", weights_only=True),
+                                   reference, rtol=1e-4, atol=1e-6)

@@ -199,3 +199,13 @@ def test_restarted_ranks_need_the_per_attempt_prefix(how, no_leftovers):
         assert again == [0, 0] and server.num_keys() > first  # keys of its own
     else:
         assert server.num_keys() == first  # nothing new: attempt 1 used attempt 0's keys
+
+
+def test_agent_env_sets_one_omp_thread_only_when_unset(monkeypatch):
+    # torchrun's agent passes its own OMP_NUM_THREADS on; torchrun sets 1 only if unset and nproc > 1
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("RANK", "3")  # a notebook started inside a job must not leak its identity
+    e = scale.agent_env()
+    assert e["OMP_NUM_THREADS"] == "1" and "RANK" not in e and e["GLOO_SOCKET_IFNAME"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert scale.agent_env()["OMP_NUM_THREADS"] == "4"

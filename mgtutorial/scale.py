@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from . import env, runlog
 from .launch import _loopback_ifname, free_port
+from .scale_output import clean, digest, shell, short  # noqa: F401  (re-exported)
 
 
 def torchrun_executable() -> str:
@@ -72,7 +73,10 @@ def torchrun_command(module_args: list[str], *, nproc_per_node: int = 2, nnodes:
     return cmd + ["-m", "mgtutorial", *module_args]
 
 
-def _env() -> dict[str, str]:
+def agent_env() -> dict[str, str]:
+    """The environment the course gives torchrun agents: this process's, OMP_NUM_THREADS=1 unless set
+    (torchrun then passes it on; it sets 1 itself only if unset and ``--nproc-per-node`` > 1),
+    loopback for gloo (``GLOO_SOCKET_IFNAME``), and none of a job's rank variables."""
     e = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                  "MASTER_PORT", runlog.RUN_DIR_ENV, "TORCHELASTIC_RUN_ID"):
@@ -94,7 +98,7 @@ class Agents:
         for i, cmd in enumerate(commands):
             with open(self.log_dir / f"node{i}.log", "w") as out:
                 self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                                   env={**_env(), **(extra_env or {})}, start_new_session=True))
+                                                   env={**agent_env(), **(extra_env or {})}, start_new_session=True))
         self.started = time.time()
 
     def wait(self, timeout: float) -> list[int]:
@@ -159,6 +163,24 @@ def run_torchrun(module_args: list[str], *, timeout: float = 120, log_dir: str |
         return code, agents.output(0)
 
 
+def torchrun_processes() -> list[int]:
+    """Pids of this process's descendants that are still running torchrun agents or ranks started
+    with ``-m mgtutorial…`` (zombies excluded): what a chapter's last cell expects to be none.
+    :func:`mgtutorial.launch.rank_processes` covers the ranks that ``launch`` started."""
+    import psutil
+
+    def running(p: psutil.Process) -> bool:
+        try:
+            args, status = p.cmdline(), p.status()
+        except psutil.Error:
+            return False
+        return status != psutil.STATUS_ZOMBIE and (
+            any(s in " ".join(args) for s in ("spawn_main", "torchrun", "torch.distributed.run"))
+            or any("mgtutorial" in a for a in args[1:]))
+
+    return [p.pid for p in psutil.Process().children(recursive=True) if running(p)]
+
+
 def rank_table(records: list[dict]) -> list[dict]:
     """One row per rank from ``kind="hello"`` records: rank, local rank, node, world size, device, host."""
     rows = [{"RANK": r["rank"], "LOCAL_RANK": r["local_rank"], "GROUP_RANK": r["group_rank"],
@@ -192,7 +214,9 @@ class HangConfig:
 def hang_worker(cfg: HangConfig) -> dict:
     """Every rank all-reduces once per step, except ``skip_rank`` at ``skip_step`` — the classic bug
     of a collective inside ``if rank == …``. The others wait inside their all-reduce until
-    ``timeout_s``, then fail with an error that names the collective, the step and the time waited.
+    ``timeout_s``, then fail with an error that names the collective, the step and the time waited:
+    ``TimeoutError`` if the collective timed out, else ``RuntimeError`` (a peer that left, or
+    DETAIL's mismatch report), the backend's error chained and quoted.
 
     Collectives are matched by order, not by step: rank 1's step-2 call (3 elements) pairs with
     rank 0's step-1 call (2 elements). Such a mismatched pair is undefined behaviour: gloo may pair
@@ -210,10 +234,11 @@ def hang_worker(cfg: HangConfig) -> dict:
             t0 = time.time()
             try:
                 dist.all_reduce(torch.ones(step + 1, device=ctx.device))  # step s: s + 1 elements
-            except Exception as exc:
-                raise TimeoutError(
-                    f"all_reduce of step {step} on rank {ctx.rank} failed after {time.time() - t0:.1f} s "
-                    f"(timeout {cfg.timeout_s:g} s): {type(exc).__name__}: {exc}"
+            except Exception as exc:  # a timeout, a peer that left, or (DETAIL) a mismatch: say which
+                timed_out = "timed out" in str(exc).lower()
+                raise (TimeoutError if timed_out else RuntimeError)(
+                    f"all_reduce of step {step} on rank {ctx.rank} {'timed out' if timed_out else 'failed'} "
+                    f"after {time.time() - t0:.1f} s (timeout {cfg.timeout_s:g} s): {type(exc).__name__}: {exc}"
                 ) from exc
         if ctx.rank == cfg.skip_rank:
             log.write(kind="rank_work", seconds=cfg.rank_work_s)
@@ -251,45 +276,3 @@ def py_spy_dump(pid: int, timeout: float = 30) -> str:
                          capture_output=True, text=True, timeout=timeout)
     return out.stdout + out.stderr
 
-
-# ---------------------------------------------------------------------------------------------
-# Output made readable: no paths, pids or C++ stacks of this machine
-
-
-def clean(text: str) -> str:
-    """``text`` without this machine's specifics: the repository's and the home folder's paths,
-    process ids (``pid 123``, ``pid: 123``, ``process 123``), and torchrun's ``of binary: /…/python``."""
-    root = Path(__file__).resolve().parents[1]
-    for path, short_ in ((Path.cwd(), ""), (root, ""), (Path.home(), "~")):
-        text = text.replace(str(path) + os.sep, short_)
-    text = re.sub(r" of binary: \S+", "", text)
-    return re.sub(r"\b(pid:? |process )\d+", r"\1…", text)
-
-
-def shell(cmd: list[str]) -> str:
-    """A command list as one would type it (``torchrun`` instead of the environment's full path)."""
-    return " ".join(["torchrun", *cmd[1:]] if cmd[0].endswith("torchrun") else cmd)
-
-
-def short(message: str) -> str:
-    """``message`` without gloo's source-file prefixes ``[/…/unbound_buffer.cc:78] ``."""
-    return re.sub(r"\[[^\]]*\.cc:\d+\] ", "", message)
-
-
-_AGENT_LINE = re.compile(r"\[?([WEI])\d{4} [\d:.]+ +\d* *\S+\] (.*)")
-
-
-def digest(output: str) -> str:
-    """What a torchrun output says, for a reader: the ranks' prints (``[rank N] …``), their one-line
-    errors, and the agents' one-line messages as ``agent W: …`` (timestamps, pids and file names
-    dropped); tracebacks and C++ stacks are counted, not shown."""
-    keep, dropped = [], 0
-    for line in clean(output).splitlines():
-        agent = _AGENT_LINE.match(line)
-        if line.startswith("[rank ") or re.match(r"\[rank\d+\]: \w+Error", line):
-            keep.append(short(line))
-        elif agent and not agent[2][:1].isspace() and not agent[2].startswith("Traceback"):
-            keep.append(f"agent {agent[1]}: {short(agent[2])}")
-        elif line.strip():
-            dropped += 1
-    return "\n".join(keep) + (f"\n({dropped} more lines: tracebacks and C++ stacks)" if dropped else "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -71,9 +72,12 @@ def test_skipped_collective_times_out_naming_it(runs, no_leftovers):
     run = launch(scale.hang_worker, scale.HangConfig(timeout_s=timeout_s, rank_work_s=60), 2, runs_dir=runs)
     # both ranks end up waiting (rank 1's step-2 call was paired with rank 0's smaller step-1 call);
     # whichever times out first is reported
-    with pytest.raises(WorkerFailed, match=r"all_reduce of step 2 on rank [01] failed after") as info:
+    with pytest.raises(WorkerFailed, match=r"all_reduce of step 2 on rank [01] (timed out|failed) after") as info:
         run.wait(timeout=45)
-    r = info.value.rank
+    r, err = info.value.rank, info.value
+    # the rank whose own timeout struck says so in its type; a rank whose peer left first is a RuntimeError
+    assert (err.exc_type, "timed out after" in err.message) in (("TimeoutError", True), ("RuntimeError", False))
+    assert "Timed out" in err.message or err.exc_type == "RuntimeError", err.message
     start = [x for x in runlog.read_run(run.run_dir) if x.get("kind") == "collective_start" and x["rank"] == r][-1]
     failed = runlog.read_json(run.run_dir / f"rank{r}.error.json")["time"]
     assert failed - start["time"] >= timeout_s - 0.5  # a timeout cannot strike before it is due
@@ -83,8 +87,10 @@ def test_skipped_collective_times_out_naming_it(runs, no_leftovers):
 def test_debug_detail_names_the_mismatch(runs, no_leftovers):
     run = launch(scale.hang_worker, scale.HangConfig(timeout_s=30, rank_work_s=60), 2, runs_dir=runs,
                  extra_env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
-    with pytest.raises(WorkerFailed, match="Detected mismatch between collectives"):  # not a timeout
+    with pytest.raises(WorkerFailed, match="Detected mismatch between collectives") as info:  # not a timeout
         run.wait(timeout=45)
+    assert info.value.exc_type == "RuntimeError", info.value.exc_type
+    assert re.search(r"all_reduce of step [12] on rank [01] failed after", info.value.message), info.value.message
 
 
 @pytest.mark.timeout(60)
@@ -193,3 +199,13 @@ def test_restarted_ranks_need_the_per_attempt_prefix(how, no_leftovers):
         assert again == [0, 0] and server.num_keys() > first  # keys of its own
     else:
         assert server.num_keys() == first  # nothing new: attempt 1 used attempt 0's keys
+
+
+def test_agent_env_sets_one_omp_thread_only_when_unset(monkeypatch):
+    # torchrun's agent passes its own OMP_NUM_THREADS on; torchrun sets 1 only if unset and nproc > 1
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("RANK", "3")  # a notebook started inside a job must not leak its identity
+    e = scale.agent_env()
+    assert e["OMP_NUM_THREADS"] == "1" and "RANK" not in e and e["GLOO_SOCKET_IFNAME"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert scale.agent_env()["OMP_NUM_THREADS"] == "4"

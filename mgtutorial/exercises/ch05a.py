@@ -1,0 +1,213 @@
+"""Checkers of chapter 05a's exercises (notebooks/05a_torchrun_multinode.ipynb): the ranks torchrun
+gives each node, the torchrun command of a two-node job, and what the SLURM script passes on.
+
+The references are torch's and the course's own code, not copies of it: the rank table comes from
+torchrun's agent (``SimpleElasticAgent._assign_worker_ranks``, run against an in-memory store, one
+thread per simulated agent), the command is read by torchrun's own parser
+(``torch.distributed.run.get_args_parser``), and the SLURM mapping is compared with what
+``scripts/slurm/ddp.sbatch`` runs under a stand-in ``srun``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+import types
+from pathlib import Path
+from unittest import mock
+
+from ._common import ExerciseError, answered, attempt, passed, require
+
+_LAYOUTS = ((2, 4), (3, 2), (1, 8), (4, 1))  # (nnodes, nproc_per_node)
+
+
+def torchrun_ranks(nnodes: int, nproc_per_node: int) -> dict[int, list[dict]]:
+    """{node rank: [{"RANK", "LOCAL_RANK", "WORLD_SIZE"} per local rank]} as torchrun's agents assign
+    them: torch's ``SimpleElasticAgent._assign_worker_ranks``, one thread per agent, a ``HashStore``."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=10))
+    spec = types.SimpleNamespace(role="default", local_world_size=nproc_per_node)
+    out: dict[int, list] = {}
+
+    def agent(group_rank: int) -> None:
+        out[group_rank] = SimpleElasticAgent._assign_worker_ranks(None, store, group_rank, nnodes, spec)
+
+    threads = [threading.Thread(target=agent, args=(g,), daemon=True) for g in range(nnodes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return {g: [{"RANK": w.global_rank, "LOCAL_RANK": w.local_rank, "WORLD_SIZE": w.world_size}
+                for w in out[g]] for g in sorted(out)}
+
+
+def ranks_of(fn) -> None:
+    """05a.1: ``fn(node_rank, nproc_per_node, nnodes)`` returns that node's ranks as a list of dicts
+    ``{"RANK", "LOCAL_RANK", "WORLD_SIZE"}`` (ints), one per local rank, in local-rank order.
+
+    Verified against torchrun's own assignment for 2×4, 3×2, 1×8 and 4×1 (nodes × ranks per node).
+    """
+    ex = "05a.1 ranks of a node"
+    for nnodes, per_node in _LAYOUTS:
+        truth = torchrun_ranks(nnodes, per_node)
+        for node in range(nnodes):
+            got = attempt(ex, fn, node, per_node, nnodes)
+            where = f"node {node} of a {nnodes}-node job with {per_node} rank(s) per node"
+            require(isinstance(got, (list, tuple)) and len(got) == per_node, ex,
+                    f"{where}: return a list of {per_node} dicts (one per local rank), not {got!r}")
+            for want, row in zip(truth[node], got):
+                require(isinstance(row, dict) and {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= set(row), ex,
+                        f"{where}: each row is a dict with RANK, LOCAL_RANK and WORLD_SIZE, not {row!r}")
+                for key, hint in (("LOCAL_RANK", "local ranks restart at 0 on every node"),
+                                  ("WORLD_SIZE", "WORLD_SIZE counts the ranks of all nodes"),
+                                  ("RANK", "global ranks continue where the nodes before this one stopped")):
+                    require(row[key] == want[key], ex, f"{where}, local rank {want['LOCAL_RANK']}: "
+                                                       f"torchrun sets {key}={want[key]}, you gave {row[key]}: {hint}")
+    passed(ex, "RANK, LOCAL_RANK and WORLD_SIZE match torchrun's for 2×4, 3×2, 1×8 and 4×1 nodes × ranks")
+
+
+def two_node_command(command) -> None:
+    """05a.2: ``command`` (a list of strings, or one string) is the torchrun line that node 1 of a
+    two-node job runs: 4 ranks per node, c10d rendezvous at ``node0:29500``, id ``job42``,
+    ``python -m mgtutorial ddp --epochs 3``. Read with torchrun's own argument parser."""
+    from torch.distributed.run import get_args_parser
+
+    ex = "05a.2 a two-node command"
+    require(command is not ... and command, ex, "`command` is still empty: write the torchrun line")
+    argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+    require(argv and Path(argv[0]).name == "torchrun", ex, f"the command starts with {argv[:1]}, not torchrun")
+    parser = get_args_parser()
+    parser.exit_on_error = False
+    try:
+        args = parser.parse_args(argv[1:])
+    except (Exception, SystemExit) as e:
+        raise ExerciseError(ex, f"torchrun's parser refuses it ({e}): check the option names") from None
+    require(not args.standalone, ex, "--standalone makes a one-node job with a local rendezvous: "
+                                     "every node must meet at node0:29500 instead")
+    checks = [(args.nnodes, "2", "--nnodes", "the job has 2 nodes"),
+              (args.nproc_per_node, "4", "--nproc-per-node", "4 ranks (one per GPU) on each node"),
+              (args.rdzv_backend, "c10d", "--rdzv-backend", "the dynamic rendezvous is c10d"),
+              (args.rdzv_endpoint, "node0:29500", "--rdzv-endpoint", "every node meets at node0:29500"),
+              (args.rdzv_id, "job42", "--rdzv-id", "the job's id, the same on every node")]
+    for value, want, option, why in checks:
+        require(str(value) == want, ex, f"torchrun reads {option} as {value!r}, not {want!r}: {why}")
+    require(args.node_rank == 0 and args.master_addr == "127.0.0.1", ex,
+            "with the c10d rendezvous nobody passes --node-rank or --master-addr: the rendezvous "
+            "hands out node ranks itself")
+    require(args.module and args.training_script == "mgtutorial", ex,
+            "torchrun must run the package as a module: `-m mgtutorial` before its arguments")
+    require(args.training_script_args == ["ddp", "--epochs", "3"], ex,
+            f"the worker's arguments are {args.training_script_args}, not ['ddp', '--epochs', '3']")
+    passed(ex, "torchrun's parser reads 2 nodes, 4 ranks each, c10d at node0:29500, id job42, -m mgtutorial ddp")
+
+
+def _sbatch() -> Path:
+    for root in (Path(__file__).resolve().parents[2], Path.cwd().parent, Path.cwd()):
+        if (root / "scripts" / "slurm" / "ddp.sbatch").is_file():
+            return root / "scripts" / "slurm" / "ddp.sbatch"
+    raise FileNotFoundError("scripts/slurm/ddp.sbatch is not beside the package or the notebooks")
+
+
+def sbatch_options(slurm: dict[str, str], hostnames: list[str]) -> dict[str, str]:
+    """Run ``scripts/slurm/ddp.sbatch`` with the variables ``slurm`` and stand-ins for ``srun``
+    (prints what it would run) and ``scontrol`` (prints ``hostnames``); returns its torchrun options
+    and the ``OMP_NUM_THREADS`` it exports, e.g. ``{"--nnodes": "2", …, "OMP_NUM_THREADS": "4"}``."""
+    with tempfile.TemporaryDirectory() as fake:
+        bodies = {"srun": 'echo "$OMP_NUM_THREADS"; echo "$@"',
+                  "scontrol": "printf '%s\\n' " + " ".join(shlex.quote(h) for h in hostnames)}
+        for name, body in bodies.items():
+            (Path(fake) / name).write_text(f"#!/bin/sh\n{body}\n")
+            (Path(fake) / name).chmod(stat.S_IRWXU)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in
+               ("OMP_NUM_THREADS", "GPUS_PER_NODE", "RDZV_PORT", "TORCHRUN")}
+        env.update(slurm, PATH=f"{fake}:{os.environ['PATH']}")
+        out = subprocess.run(["bash", str(_sbatch())], env=env, capture_output=True, text=True, timeout=30)
+    if out.returncode:
+        raise RuntimeError(f"ddp.sbatch failed: {out.stderr.strip()}")
+    omp, cmd = out.stdout.strip().splitlines()
+    argv = shlex.split(cmd)
+    opts = {a: argv[i + 1] for i, a in enumerate(argv) if a.startswith("--") and a != "--kill-on-bad-exit=1"
+            and argv.index("-m") > i}
+    return {**opts, "OMP_NUM_THREADS": omp}
+
+
+_JOBS = (({"SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-a[17-18]",
+           "SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_PER_TASK": "16"}, ["gpu-a17", "gpu-a18"]),
+         ({"SLURM_NNODES": "3", "SLURM_JOB_ID": "977", "SLURM_JOB_NODELIST": "n[003-005]",
+           "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_PER_TASK": "64"}, ["n003", "n004", "n005"]))
+
+
+def slurm_mapping(fn) -> None:
+    """05a.3: ``fn(slurm, hostnames)`` gets SLURM's variables (a dict of strings) and the node names
+    (``scontrol show hostnames``, a list) and returns what the batch script passes to torchrun:
+    ``{"--nnodes", "--nproc-per-node", "--rdzv-id", "--rdzv-endpoint", "OMP_NUM_THREADS"}`` (strings).
+
+    Compared with what ``scripts/slurm/ddp.sbatch`` itself runs for a 2-node and a 3-node job.
+    """
+    ex = "05a.3 SLURM to torchrun"
+    for slurm, hosts in _JOBS:
+        truth = sbatch_options(slurm, hosts)
+        got = attempt(ex, fn, dict(slurm), list(hosts))
+        require(isinstance(got, dict), ex, f"return a dict of options, not {type(got).__name__}")
+        job = f"the {slurm['SLURM_NNODES']}-node job {slurm['SLURM_JOB_ID']}"
+        for key in ("--nnodes", "--nproc-per-node", "--rdzv-id", "--rdzv-endpoint", "OMP_NUM_THREADS"):
+            require(key in got, ex, f"{job}: your dict has no {key!r}")
+            require(str(got[key]) == truth[key], ex,
+                    f"{job}: ddp.sbatch gives {key} {truth[key]}, you gave {got[key]}: read the script's "
+                    f"line that sets it from the SLURM variables (not the values of the example above)")
+    passed(ex, "your mapping gives ddp.sbatch's torchrun options and OMP_NUM_THREADS for a 2-node and a 3-node job")
+
+
+def agent_store(predicted: dict) -> None:
+    """05a.4: ``predicted[mode]["TORCHELASTIC_USE_AGENT_STORE"]`` (the string rank 1 sees) and
+    ``predicted[mode]["store host"]`` (``"agent"`` or ``"rank 0"``) for ``mode`` "default" and
+    "disabled" (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents' environment).
+
+    Runs both two-node jobs (``hello``, one rank per simulated node) at once and reads rank 1's
+    record; the host is what torch's ``env://`` rendezvous decides from those variables
+    (``torch.distributed.rendezvous._agent_store_serves``: the agent's store, or rank 0 opens one).
+    """
+    import importlib
+
+    from .. import runlog, scale
+
+    ex = "05a.4 who hosts the store"
+    for mode in ("default", "disabled"):
+        for key in ("TORCHELASTIC_USE_AGENT_STORE", "store host"):
+            answered((predicted.get(mode) or {}).get(key, ...), ex, f"predicted[{mode!r}][{key!r}]")
+    runs = Path("runs/exercises").resolve()
+    for mode in ("default", "disabled"):
+        shutil.rmtree(runs / f"ex05a-store-{mode}", ignore_errors=True)
+    extra = {"default": {}, "disabled": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
+    jobs = {mode: scale.simulated_nodes(["hello", "--backend", "gloo", "--runs-dir", str(runs), "--run-name",
+                                         f"ex05a-store-{mode}"], log_dir=runs / f"ex05a-store-{mode}-agents",
+                                        extra_env=env) for mode, env in extra.items()}
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+    for mode, agents in jobs.items():
+        with agents:
+            codes = agents.wait(timeout=90)
+        require(codes == [0, 0], ex, f"the {mode} job failed (exit codes {codes}): see {agents.log_dir}")
+        rec = next(r for r in runlog.read_run(runs / f"ex05a-store-{mode}") if r["kind"] == "hello" and r["rank"] == 1)
+        seen = rec["env"]["TORCHELASTIC_USE_AGENT_STORE"]
+        with mock.patch.dict(os.environ):  # torch's rule, applied to what rank 1 saw
+            for k, v in rec["env"].items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            host = "agent" if rdzv._agent_store_serves(rec["env"]["MASTER_ADDR"], rec["env"]["MASTER_PORT"]) else "rank 0"
+        guess = predicted[mode]
+        require(str(guess["TORCHELASTIC_USE_AGENT_STORE"]) == str(seen), ex,
+                f"{mode}: rank 1 saw TORCHELASTIC_USE_AGENT_STORE={seen}, not {guess['TORCHELASTIC_USE_AGENT_STORE']}: "
+                f"read the rendezvous handler's use_agent_store (dynamic_rendezvous)")
+        require(guess["store host"] == host, ex,
+                f"{mode}: the store at MASTER_ADDR:MASTER_PORT is hosted by the {host}, not the {guess['store host']}: "
+                f"read torch.distributed.rendezvous._create_c10d_store")
+    passed(ex, "by default the agent hosts the store (True); with the sharing disabled rank 0 does (False)")
+

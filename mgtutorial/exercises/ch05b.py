@@ -1,0 +1,202 @@
+"""Checkers of chapter 05b's exercises (notebooks/05b_elastic_and_hangs.ipynb): restoring a snapshot
+after a rank is killed, a collective only one rank calls found with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``,
+and what a rank that skips the last collective looks like with and without DETAIL.
+
+05b.1 runs under ``torchrun --standalone --max-restarts 1`` (a free port, chosen by the operating
+system; every agent and rank is ended when the checker returns). Its ranks run this module::
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m mgtutorial.exercises.ch05b \\
+        --path ex05b_restore.py --checkpoint runs/x.pt --run-dir runs/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+from pathlib import Path
+
+from .. import ddp, env, runlog, scale
+from ..launch import launch
+from ..run import WorkerFailed
+from ._common import ExerciseError, RankFailed, answered, function_from, passed, require, run_file
+
+STEPS, EVERY, FAIL_STEP = 12, 4, 10  # snapshots at steps 4 and 8; rank 1 is killed after step 10
+
+
+def restore_config(checkpoint: str) -> ddp.DDPConfig:
+    """Chapter 02's tiny job of 05b (digits, ``STEPS`` steps), a snapshot every ``EVERY`` steps and
+    rank 1 SIGKILL-ed after step ``FAIL_STEP`` of the first attempt."""
+    return ddp.DDPConfig(dataset="digits", epochs=1, max_steps=STEPS, evaluate=False, backend="gloo",
+                         checkpoint=checkpoint, checkpoint_every=EVERY, fail_rank=1, fail_step=FAIL_STEP,
+                         fail_how="sigkill", timeout_s=30)
+
+
+class RestoringTrainer(ddp.Trainer):
+    """:class:`mgtutorial.ddp.Trainer` that resumes with the learner's
+    ``restore(path, model, optimizer, device) -> {"epoch", "step", "batch"}`` when a snapshot exists."""
+
+    def __init__(self, *args, restore):
+        super().__init__(*args)  # cfg.resume is False: the Trainer restored nothing itself
+        if Path(self.cfg.checkpoint).exists():
+            progress = restore(self.cfg.checkpoint, self.model, self.optimizer, self.ctx.device)
+            self.first_epoch, self.step, self.skip = (int(progress[k]) for k in ("epoch", "step", "batch"))
+            self.samples = self.first_samples = int(progress.get("samples", 0))
+            self.log.resume(step=self.step, epoch=self.first_epoch, batch=self.skip, attempt=self.attempt)
+
+
+def restore_worker(cfg: ddp.DDPConfig, path: str) -> dict:
+    """One rank of 05b.1: chapter 02's training, resumed by ``restore`` from the file ``path``."""
+    restore = function_from(path, "restore", "05b.1")
+    with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
+        model, train_set, test_set, optimizer = ddp.build(cfg, ctx)
+        return RestoringTrainer(model, train_set, test_set, optimizer, ctx, cfg, restore=restore).train()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A rank under torchrun: ``--path`` (the learner's file), ``--checkpoint``, ``--run-dir``."""
+    p = argparse.ArgumentParser(prog="python -m mgtutorial.exercises.ch05b")
+    for option in ("--path", "--checkpoint", "--run-dir"):
+        p.add_argument(option, required=True)
+    args = p.parse_args(argv)
+    os.environ[runlog.RUN_DIR_ENV] = args.run_dir
+    Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+    restore_worker(restore_config(args.checkpoint), args.path)
+    return 0
+
+
+def _last_error(output: str) -> str:
+    lines = [line for line in scale.clean(output).splitlines() if re.match(r"(\[rank\d+\]: )?\w+(Error|Exception): ", line)]
+    return scale.short(lines[-1]) if lines else "no error message (see the agent's log)"
+
+
+def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exercises") -> None:
+    """05b.1: ``restore(path, model, optimizer, device)`` in the file ``path`` loads a snapshot of
+    :func:`mgtutorial.checkpoint.save_checkpoint` into the (DDP) model and the optimizer and returns
+    its progress ``{"epoch", "step", "batch"}`` (ints).
+
+    Runs ``torchrun --max-restarts 1`` with rank 1 killed after step 10, then verifies from the
+    records that both restarted ranks resumed at the last snapshot (step 8), trained steps 9 … 12,
+    and that the final parameters equal a single process trained on the combined batches.
+    """
+    import torch
+
+    ex = "05b.1 resume after a kill"
+    function_from(path, "restore", ex)  # a missing file or a syntax error, before anything starts
+    run_dir = Path(runs_dir).resolve() / "ex05b-restore"
+    ckpt = run_dir.with_suffix(".pt")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    ckpt.unlink(missing_ok=True)
+    cmd = [scale.torchrun_executable(), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+           "-m", __name__, "--path", str(Path(path).resolve()), "--checkpoint", str(ckpt), "--run-dir", str(run_dir)]
+    with scale.Agents([cmd], run_dir.with_name("ex05b-restore-agent")) as agents:
+        try:
+            code = agents.wait(timeout=180)[0]
+        except TimeoutError:
+            raise ExerciseError(ex, "torchrun did not finish within 180 s (stopped): does `restore` "
+                                    "block, or load a file other than `path`?") from None
+        output = agents.output(0)
+    require(code == 0, ex, f"the job failed after its restart (torchrun exit code {code}); the last "
+                           f"error: {_last_error(output)}: look at `restore` in {Path(path).name}")
+    recs = sorted(runlog.read_run(run_dir), key=lambda rec: rec["time"])
+    resumes = [rec for rec in recs if rec["kind"] == "resume"]
+    require(resumes, ex, "the restarted ranks logged no resume: did the snapshot file exist?")
+    t_resume = min(rec["time"] for rec in resumes)
+    snaps = [rec["step"] for rec in recs if rec["kind"] == "checkpoint" and rec["time"] < t_resume]
+    for rec in resumes:
+        require(rec["step"] == snaps[-1], ex,
+                f"rank {rec['rank']} resumed at step {rec['step']}, but the last snapshot before the kill was "
+                f"taken at step {snaps[-1]}: return the progress the snapshot holds (its 'epoch', 'step', 'batch')")
+    redone = sorted({rec["step"] for rec in recs if rec["kind"] == "train" and rec["time"] > t_resume})
+    require(redone == list(range(snaps[-1] + 1, STEPS + 1)), ex,
+            f"after the restart the ranks trained steps {redone}, not {snaps[-1] + 1} … {STEPS}: "
+            f"the 'batch' of the progress says how many batches of the epoch are done")
+    final = torch.load(ckpt, map_location="cpu", weights_only=True)
+    reference = ddp.combined_batch_reference(dataclasses.replace(restore_config(str(ckpt)), fail_rank=-1), 2)
+    diff = ddp.max_param_diff(reference, final["model"])
+    require(diff < 1e-5, ex, f"after step {final['step']} the parameters differ from an uninterrupted run's by "
+                             f"{diff:.1e}: restore the optimizer's state too (SGD's momentum buffers)")
+    passed(ex, f"rank 1 killed after step {FAIL_STEP}, both ranks resumed at step {snaps[-1]}, and the "
+               f"parameters after step {STEPS} equal an uninterrupted run's")
+
+
+def _fingerprint(message: str) -> str:
+    """What a DETAIL mismatch error says of the failing rank's own call (the peer's side is garbled:
+    the peer is inside DETAIL's own check by then)."""
+    m = re.search(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),? ?OpType=(\w+)", message)
+    return (f"rank {m[1]} was calling {m[3]} as its collective #{m[2]} while its peer called another one "
+            f"(a BARRIER is env.distributed's, when the worker returns)") if m else ""
+
+
+def rank_zero_metric(path: str = "ex05b_metric.py") -> None:
+    """05b.2: ``worker(cfg)`` in ``path`` returns, on rank 0, ``[(step, mean over ranks of
+    rank + step)]`` for steps 0 and 2 of 4, and ``[]`` on the other ranks.
+
+    Runs 2 ranks with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` and a 3-s collective timeout
+    (``cfg.options["timeout_s"]``); compares with the means computed here.
+    """
+    ex = "05b.2 a metric only rank 0 logs"
+    try:
+        values = run_file(ex, path, "worker", 2, options={"timeout_s": 3}, timeout_s=60,
+                          extra_env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}).values
+    except RankFailed as e:
+        seen = _fingerprint(e.hint) or scale.short(e.hint)[:300]
+        raise ExerciseError(ex, f"DETAIL stopped the job: {seen}. Every rank must call the same "
+                                f"collectives in the same order: no all_reduce under `if ctx.rank == 0`") from None
+    want = [[step, (0 + step + 1 + step) / 2] for step in (0, 2)]
+    got = [[int(s), float(m)] for s, m in values[0]] if isinstance(values[0], list) else values[0]
+    require(got == want, ex, f"rank 0 returned {values[0]!r}, not {want}: the mean is the all-reduced "
+                             f"sum divided by the world size")
+    require(values[1] == [], ex, f"rank 1 returned {values[1]!r}: only rank 0 logs (returns [] elsewhere)")
+    passed(ex, "under DETAIL both ranks made the same all-reduces; rank 0 logged the means 0.5 and 2.5")
+
+
+def last_step_skipped(predicted: dict) -> None:
+    """05b.3: predictions for ``HangConfig(skip_step=2)`` (rank 1 skips the last all-reduce, then works
+    alone 6 s) with a 2-s timeout: ``predicted["failing_rank"]`` and ``predicted["error_type"]``
+    (the rank the launcher names and its exception type, without DETAIL) and
+    ``predicted["detail_names_rank"]`` (the rank DETAIL's error says is missing).
+
+    Runs both jobs at once and reads the launcher's errors.
+    """
+    ex = "05b.3 the last step skipped"
+    guess = {k: answered(predicted.get(k, ...), ex, f"predicted[{k!r}]")
+             for k in ("failing_rank", "error_type", "detail_names_rank")}
+    cfg = scale.HangConfig(skip_step=2, timeout_s=2, rank_work_s=6, backend="gloo")
+    runs = [launch(scale.hang_worker, cfg, 2, runs_dir="runs/exercises", name=name, extra_env=extra)
+            for name, extra in (("ex05b-last", {}), ("ex05b-last-detail", {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}))]
+    errors = []
+    for run in runs:
+        try:
+            run.wait(timeout=60)
+            errors.append(None)
+        except WorkerFailed as e:
+            errors.append(e)
+        finally:
+            run.stop()
+    plain, detail = errors
+    require(plain is not None and detail is not None, ex, "a job finished without an error: is HangConfig "
+                                                         "unchanged in mgtutorial.scale?")
+    missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", detail.message)
+    require(missing, ex, f"DETAIL reported something unexpected: {scale.short(detail.message)[:200]}")
+    named = int(missing[1].split(",")[0])
+    require(guess["failing_rank"] == plain.rank, ex,
+            f"the launcher named rank {plain.rank}, not {guess['failing_rank']}: which rank is left inside "
+            f"an all-reduce when the other one skips it and works alone?")
+    require(guess["error_type"] == plain.exc_type, ex,
+            f"rank {plain.rank} failed with {plain.exc_type}, not {guess['error_type']!r}: its peer never "
+            f"came, so what ended the wait? (a string, e.g. 'ValueError')")
+    require(guess["detail_names_rank"] == named, ex,
+            f"DETAIL's error names rank {named} as missing, not {guess['detail_names_rank']}: before each "
+            f"collective DETAIL waits in a monitored barrier and names the ranks that did not arrive")
+    passed(ex, f"rank {plain.rank} failed with {plain.exc_type}, and DETAIL named rank {named} as the one "
+               f"that never arrived")
+
+
+if __name__ == "__main__":
+    code = main()
+    from .._rank import exit_now
+
+    exit_now(code)  # one rank under torchrun: leave without C++ teardown, which can abort a finished rank

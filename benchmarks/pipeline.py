@@ -22,13 +22,16 @@ steps. Run it, don't assert on it::
     python benchmarks/pipeline.py --out benchmarks/pipeline.json
 
 It prints a table and writes JSON with keys ``naive``, ``gpipe``, ``1f1b``, ``interleaved`` (m → samples/s),
-``bubble_measured`` and ``bubble_formula`` (schedule → m → fraction), ``speedup_gpipe_m8_vs_naive``.
+``bubble_measured``, ``bubble_formula`` and ``bubble_model`` (schedule → m → fraction; the model is the
+formula with the run's mean delay per box, ``delay_ms``, see notebooks/04_model_parallel.ipynb
+section 4), ``speedup_gpipe_m8_vs_naive``, the load average at start and end, and ``cpu_count``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -42,8 +45,9 @@ from mgtutorial import timeline as T
 MICROBATCHES = (1, 2, 4, 8)
 
 
-def measure(schedule: str, m: int, args, runs_dir: str) -> tuple[float, float]:
-    """(samples/s, median bubble fraction) of one run."""
+def measure(schedule: str, m: int, args, runs_dir: str) -> tuple[float, float, float, float]:
+    """(samples/s, bubble fraction, model bubble, mean delay per box in s) of one run, each the median
+    over the measured steps (the model: ``T.step_costs``, the formula with the step's delay per box)."""
     cfg = P.PipelineConfig(schedule=schedule, n_microbatches=m, batch_size=args.batch_size,
                            steps=args.warmup + args.steps, sizes=[args.width] * 5, save_params=False,
                            backend="gloo", input_grad=True)
@@ -56,8 +60,10 @@ def measure(schedule: str, m: int, args, runs_dir: str) -> tuple[float, float]:
     times = result.values[0]["step_times_s"][args.warmup:]
     records = runlog.read_run(run.run_dir)
     by = "rank" if schedule == "interleaved" else "stage"
-    bubbles = [T.bubble_measured(T.events(records, step), by=by) for step in range(args.warmup + 1, cfg.steps + 1)]
-    return args.batch_size / statistics.median(times), statistics.median(bubbles)
+    steps, v = range(args.warmup + 1, cfg.steps + 1), 2 if schedule == "interleaved" else 1
+    bubble = T.median_over_steps(records, lambda evs: T.bubble_measured(evs, by=by), steps)
+    model, delay = (T.median_over_steps(records, lambda evs: T.step_costs(evs, by, v)[k], steps) for k in ("model", "delay"))
+    return args.batch_size / statistics.median(times), bubble, model, delay
 
 
 def main() -> None:
@@ -71,10 +77,12 @@ def main() -> None:
 
     out = {"naive": {}, "gpipe": {}, "1f1b": {}, "interleaved": {},
            "bubble_measured": {"gpipe": {}, "1f1b": {}, "interleaved": {}},
-           "bubble_formula": {}, "settings": vars(args), "torch": torch.__version__}
+           "bubble_model": {"gpipe": {}, "1f1b": {}, "interleaved": {}}, "delay_ms": {"gpipe": {}, "1f1b": {}, "interleaved": {}},
+           "bubble_formula": {}, "settings": vars(args), "torch": torch.__version__,
+           "load_average_1min_start": os.getloadavg()[0], "cpu_count": os.cpu_count()}
     started = time.time()
     with tempfile.TemporaryDirectory() as runs_dir:
-        naive, naive_bubble = measure("gpipe", 1, args, runs_dir)
+        naive, naive_bubble, _, _ = measure("gpipe", 1, args, runs_dir)
         print(f"naive split (m=1): {naive:8.0f} samples/s, bubble {naive_bubble:.3f}", flush=True)
         for m in MICROBATCHES:
             out["naive"][m] = naive
@@ -82,16 +90,18 @@ def main() -> None:
             for schedule in ("gpipe", "1f1b", "interleaved"):
                 if schedule != "gpipe" and m < 2:
                     continue
-                rate, bubble = measure(schedule, m, args, runs_dir)
+                rate, bubble, model, delay = measure(schedule, m, args, runs_dir)
                 out[schedule][m] = rate
                 out["bubble_measured"][schedule][m] = bubble
+                out["bubble_model"][schedule][m], out["delay_ms"][schedule][m] = model, 1e3 * delay
                 formula = T.bubble_formula(2, m, stages_per_rank=2 if schedule == "interleaved" else 1)
                 print(f"{schedule:>11} m={m}: {rate:8.0f} samples/s, bubble {bubble:.3f} "
-                      f"(formula {formula:.3f})", flush=True)
+                      f"(formula {formula:.3f}, model {model:.3f}, delay per box {1e3 * delay:.1f} ms)", flush=True)
     out["speedup_gpipe_m8_vs_naive"] = out["gpipe"][8] / naive
     out["bubble_max_abs_error_gpipe"] = max(abs(out["bubble_measured"]["gpipe"][m] - out["bubble_formula"][m])
                                             for m in MICROBATCHES)
     out["wall_s"] = time.time() - started
+    out["load_average_1min_end"] = os.getloadavg()[0]
 
     print(f"\n{'m':>3} {'naive':>9} {'gpipe':>9} {'1f1b':>9} {'bubble gpipe':>13} {'formula':>8}")
     for m in MICROBATCHES:

@@ -8,13 +8,16 @@ Built on module hooks and ``torch.autograd.graph.saved_tensors_hooks``
 
 from __future__ import annotations
 
+import statistics
 import time
 import weakref
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from . import runlog
+from . import env, runlog
 
 
 def bubble_formula(num_stages: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
@@ -22,6 +25,60 @@ def bubble_formula(num_stages: int, n_microbatches: int, stages_per_rank: int = 
     with v = ``stages_per_rank`` (interleaved 1F1B, Narayanan et al., 2021) (p − 1) / (v·m + p − 1)."""
     return (num_stages - 1) / (stages_per_rank * n_microbatches + num_stages - 1)
 
+
+def bubble_model(num_stages: int, n_microbatches: int, forward_s: float, backward_s: float, delay_s: float,
+                 stages_per_rank: int = 1) -> float:
+    """The formula with a cost between the boxes: every box but the step's first starts ``delay_s`` = o
+    late (see :func:`box_delays`). The critical path has v·m + p − 1 forwards and as many backwards,
+    so the span is (v·m + p − 1)·(f + b + 2·o) − o instead of (v·m + p − 1)·(f + b), and the idle
+    fraction 1 − v·m·(f + b) / ((v·m + p − 1)·(f + b + 2·o) − o); times in seconds, f and b one box of
+    one stage. With o = 0 it is :func:`bubble_formula`."""
+    p, vm, work = num_stages, stages_per_rank * n_microbatches, forward_s + backward_s
+    return 1 - vm * work / ((vm + p - 1) * (work + 2 * delay_s) - delay_s)
+
+
+@dataclass(kw_only=True)
+class HandoffConfig:
+    """Configuration of :func:`handoff_worker` (2 ranks)."""
+
+    rows: list[int] = field(default_factory=lambda: [512, 256, 128, 64])
+    """Rows of the activation handed over (one micro-batch), one measurement per entry."""
+    width: int = 1024
+    """Columns of the activation (the layers' width), float32."""
+    reps: int = 20
+    """Round trips per size; the median of all but the first two is reported."""
+    backend: str = "auto"
+    """"auto" | "gloo" | "nccl"."""
+
+
+def handoff_worker(cfg: HandoffConfig) -> list[dict]:
+    """The hand-off alone: rank 0 sends a ``(rows, width)`` activation, rank 1 receives it and sends it
+    back (``dist.send``/``dist.recv``, what a pipeline does per micro-batch), nothing else running.
+
+    Returns ``[{"rows", "bytes", "handoff_ms"}]``, one per size: the median round trip / 2 (ms).
+    """
+    with env.distributed(cfg.backend) as ctx:
+        peer, out = 1 - ctx.rank, []
+        for rows in cfg.rows:
+            x = torch.randn(rows, cfg.width, device=ctx.device)
+            times = []
+            for _ in range(cfg.reps):
+                dist.barrier()
+                t0 = _synced(ctx.device)
+                if ctx.rank == 0:
+                    dist.send(x, peer), dist.recv(x, peer)
+                else:
+                    dist.recv(x, peer), dist.send(x, peer)
+                times.append((_synced(ctx.device) - t0) / 2)
+            out.append({"rows": rows, "bytes": x.numel() * x.element_size(), "handoff_ms": 1e3 * statistics.median(times[2:])})
+        return out
+
+
+def _synced(device: torch.device) -> float:
+    """``time.perf_counter()`` once ``device`` has finished its queued work (a GPU's kernels)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 class ActivationMeter:
@@ -143,30 +200,48 @@ def bubble_measured(evs: list[dict], by: str = "stage") -> float:
     return 1 - busy / (len(lanes) * span)
 
 
-def step_costs(evs: list[dict], by: str = "stage") -> dict:
-    """Where one step's time goes, from its events (one stage per lane, GPipe or 1F1B), in seconds.
-
-    ``forward``/``backward``: median box duration; ``span``: first start to last end; ``ideal``:
-    the span of the same boxes with nothing between them, (m + p − 1)·(forward + backward);
-    ``overhead``: (span − ideal) / (m + p − 1), the time per micro-batch slot of the critical path
-    spent outside the boxes (send/recv, the schedule's Python, hooks, pauses); ``m``, ``p``.
-    """
-    import statistics
-
+def step_costs(evs: list[dict], by: str = "stage", stages_per_rank: int = 1) -> dict:
+    """Where one step's time goes, from its events, in seconds: ``forward``/``backward``, the mean box
+    (one stage's); ``delay``, the mean of :func:`box_delays`; ``span``, first start to last end;
+    ``model``, :func:`bubble_model` of these; ``m``; ``p``, the lanes (stages, or ranks with ``by="rank"``)."""
     p, m = len({e[by] for e in evs}), len({e["microbatch"] for e in evs})
-    f = statistics.median(e["end"] - e["start"] for e in evs if e["event"] == "forward")
-    b = statistics.median(e["end"] - e["start"] for e in evs if e["event"] == "backward")
+    f = statistics.fmean(e["end"] - e["start"] for e in evs if e["event"] == "forward")
+    b = statistics.fmean(e["end"] - e["start"] for e in evs if e["event"] == "backward")
+    o = statistics.fmean(box_delays(evs, by))
     span = max(e["end"] for e in evs) - min(e["start"] for e in evs)
-    ideal = (m + p - 1) * (f + b)
-    return {"forward": f, "backward": b, "span": span, "ideal": ideal, "overhead": (span - ideal) / (m + p - 1),
-            "m": m, "p": p}
+    return {"forward": f, "backward": b, "delay": o, "span": span, "m": m, "p": p,
+            "model": bubble_model(p, m, f, b, o, stages_per_rank)}
+
+
+def box_delays(evs: list[dict], by: str = "stage") -> list[float]:
+    """How late each box started (s): its start minus the moment it could have started, the later of
+    its lane's previous box's end and its input's producer's end (a forward: the previous stage's
+    forward of the micro-batch; a backward: the next stage's backward, or the last stage's own forward).
+    This is the time between boxes that the formula does not see: the hand-off through the backend,
+    the schedule's Python, and waiting for a core. The step's first box has no delay and is left out."""
+    done = {(e["stage"], e["event"], e["microbatch"]): e["end"] for e in evs}
+    last, lane_end, delays = max(e["stage"] for e in evs), {}, []
+    for e in sorted(evs, key=lambda e: e["start"]):
+        s, i = e["stage"], e["microbatch"]
+        dep = ((s - 1, "forward", i) if s > 0 else None) if e["event"] == "forward" else \
+              ((s + 1, "backward", i) if s < last else (s, "forward", i))
+        ready = [t for t in (lane_end.get(e[by]), done.get(dep)) if t is not None]
+        if ready:
+            delays.append(e["start"] - max(ready))
+        lane_end[e[by]] = e["end"]
+    return delays
 
 
 def median_over_steps(records: list[dict], fn, steps) -> float:
     """Median of ``fn(events of step)`` over ``steps`` (robust to a step a busy machine paused)."""
-    import statistics
-
     return statistics.median(fn(events(records, step)) for step in steps)
+
+
+def median_step(records: list[dict], fn, steps) -> int:
+    """The step of ``steps`` whose ``fn(events of step)`` is the median (the lower middle one for an
+    even count): the step to draw when a table reports the median."""
+    ranked = sorted((fn(events(records, step)), step) for step in steps)
+    return ranked[(len(ranked) - 1) // 2][1]
 
 
 def memory_curve(evs: list[dict], lane: int, by: str = "stage") -> tuple[list[float], list[int]]:

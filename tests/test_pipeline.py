@@ -165,12 +165,43 @@ def test_bubble_and_step_costs_of_an_ideal_timeline(m):
     assert T.bubble_measured(evs) == pytest.approx(T.bubble_formula(2, m))
     assert T.bubble_measured(evs, by="rank") == pytest.approx(T.bubble_formula(2, m))
     costs = T.step_costs(evs)
-    assert (costs["m"], costs["p"], costs["forward"], costs["backward"]) == (m, 2, 1.0, 2.0)
-    assert costs["overhead"] == pytest.approx(0.0, abs=1e-12)
+    assert (costs["m"], costs["p"], costs["forward"], costs["backward"], costs["delay"]) == (m, 2, 1.0, 2.0, 0.0)
+    assert costs["model"] == pytest.approx(T.bubble_formula(2, m))
     gap = 0.25  # the critical path has 2(m + p − 1) boxes and one gap fewer
     costs = T.step_costs(_gpipe_timeline(m, 1.0, 2.0, gap))
-    assert costs["overhead"] == pytest.approx(2 * gap - gap / (m + 1))
+    assert costs["delay"] == pytest.approx(gap)
+    assert costs["model"] == pytest.approx(T.bubble_measured(_gpipe_timeline(m, 1.0, 2.0, gap)))
     assert T.bubble_measured(_gpipe_timeline(m, 1.0, 2.0, gap)) > T.bubble_formula(2, m)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_box_delays_and_the_model_see_the_gaps(m):
+    f, b, gap = 1.0, 2.0, 0.25
+    assert T.box_delays(_gpipe_timeline(m, f, b, 0.0)) == pytest.approx([0.0] * (4 * m - 1))
+    evs = _gpipe_timeline(m, f, b, gap)
+    assert T.box_delays(evs) == pytest.approx([gap] * (4 * m - 1))  # every box but the first
+    assert T.bubble_model(2, m, f, b, 0.0) == pytest.approx(T.bubble_formula(2, m))
+    assert T.bubble_model(2, m, f, b, 0.0, stages_per_rank=2) == pytest.approx(T.bubble_formula(2, m, 2))
+    # the drawn timeline's span is (m + 1)(f + b + 2·gap) − gap: the step's first box has no delay
+    span = (m + 1) * (f + b + 2 * gap) - gap
+    assert T.bubble_measured(evs) == pytest.approx(1 - m * (f + b) / span)
+    assert T.bubble_model(2, m, f, b, gap) == pytest.approx(T.bubble_measured(evs))
+
+
+def test_median_step_is_the_step_of_the_median():
+    records = [{"kind": "event", "step": s, "start": float(s), "value": v} for s, v in ((2, 0.3), (3, 0.1), (4, 0.2), (5, 0.9))]
+    value = lambda evs: evs[0]["value"]
+    assert T.median_step(records, value, (2, 3, 4)) == 4
+    assert T.median_over_steps(records, value, (2, 3, 4)) == 0.2
+    assert T.median_step(records, value, (2, 3, 4, 5)) == 4  # the lower middle one
+
+
+@pytest.mark.timeout(60)
+def test_handoff_worker_times_each_size(runs, no_leftovers):
+    res = launch(T.handoff_worker, T.HandoffConfig(rows=[8, 2], width=16, reps=4), 2, runs_dir=runs).wait(timeout=40)
+    for rank in (0, 1):
+        assert [(h["rows"], h["bytes"]) for h in res.values[rank]] == [(8, 8 * 16 * 4), (2, 2 * 16 * 4)]
+        assert all(h["handoff_ms"] > 0 for h in res.values[rank])
 
 
 @pytest.mark.timeout(60)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,30 +13,34 @@ from mgtutorial import sharding_memory as M
 from mgtutorial.exercises import ch07
 from mgtutorial.exercises._common import ExerciseError
 
-HEADER = "import torch\nimport torch.distributed as dist\n\n\ndef zero1_step(flat, flat_grad, shard, opt, ctx):\n"
-STEPS = {
-    "sum": """grad = torch.empty_like(shard)
+HEADER = ("import torch\nimport torch.distributed as dist\n\n\n"
+          "def zero1_clip_step(flat, flat_grad, shard, opt, ctx, max_norm):\n")
+RS = """grad = torch.empty_like(shard)
 dist.reduce_scatter_tensor(grad, flat_grad)
-shard.grad = grad
-opt.step()
-dist.all_gather_into_tensor(flat, shard.detach().clone())""",
-    "no_gather": """grad = torch.empty_like(shard)
-dist.reduce_scatter_tensor(grad, flat_grad)
-shard.grad = grad / ctx.world_size
-opt.step()""",
-    "own_slice_all_reduced": """n = shard.numel()
-g = flat_grad[ctx.rank * n:(ctx.rank + 1) * n].clone()
-dist.all_reduce(g)
-shard.grad = g / ctx.world_size
-opt.step()
-dist.all_gather_into_tensor(flat, shard.detach().clone())""",
-    "all_reduce_then_slice": """dist.all_reduce(flat_grad)
+"""
+AR = """dist.all_reduce(flat_grad)
 n = shard.numel()
-shard.grad = flat_grad[ctx.rank * n:(ctx.rank + 1) * n] / ctx.world_size
+grad = flat_grad[ctx.rank * n:(ctx.rank + 1) * n].clone()
+"""
+CLIP = """sq = grad.pow(2).sum()
+dist.all_reduce(sq)
+grad = grad * (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1)
+"""
+LOCAL = """dist.all_reduce(torch.zeros(1))  # the right number of collectives, the wrong norm
+grad = grad * (max_norm / (grad.norm() + 1e-6)).clamp(max=1)
+"""
+DIV, STEP = "grad = grad / ctx.world_size\n", """shard.grad = grad
 opt.step()
-dist.all_gather_into_tensor(flat, shard.detach().clone())""",
+dist.all_gather_into_tensor(flat, shard.detach().clone())
+"""
+STEPS = {
+    "unclipped": RS + DIV + STEP,
+    "local_norm": RS + DIV + LOCAL + STEP,
+    "clip_before_divide": RS + CLIP + DIV + STEP,
+    "no_divide": RS + CLIP + STEP,
+    "no_gather": RS + DIV + CLIP + STEP.replace("dist.all_gather_into_tensor", "pass  #"),
+    "all_reduce_then_slice": AR + DIV + CLIP + STEP,
 }
-
 
 def test_smallest_ranks_is_the_closed_form():
     psi, limit = 13e9, 8e10
@@ -66,21 +71,34 @@ def test_padded_bytes_refuses_a_malformed_answer_before_launching():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant, hint", [
-    ("sum", "the SUM over ranks"),
+    ("unclipped", "step 0: shard.grad is the averaged slice, not clipped"),
+    ("local_norm", "step 0: rank 0 clipped by its own slice's norm"),
+    ("clip_before_divide", "clipped by the norm of the SUM over ranks, then ÷ N"),
+    ("no_divide", "step 3: shard.grad is the clipped SUM over ranks"),
     ("no_gather", "outside its slice"),
-    ("own_slice_all_reduced", "differs from one process's gradient slice"),
     ("all_reduce_then_slice", None),
 ])
-def test_zero1_step_variants(variant, hint, tmp_path, capsys, no_leftovers, monkeypatch):
+def test_zero1_clipped_variants(variant, hint, tmp_path, capsys, no_leftovers, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "ex07_zero.py").write_text(HEADER + textwrap.indent(STEPS[variant], "    ") + "\n")
-    if hint is None:  # a correct ZeRO-1 that pays 1.5× the bytes: passes, and says so
-        ch07.zero1_step()
-        assert "1 all-reduce + 1 all-gather per step (1.5×" in capsys.readouterr().out
+    (tmp_path / "ex07_zero.py").write_text(HEADER + textwrap.indent(STEPS[variant], "    "))
+    if hint is None:  # a correct clipped ZeRO-1 that pays 1.5× the bytes: passes, and says so
+        ch07.zero1_clipped()
+        assert "2 all-reduces (gradients, squared norm) + 1 all-gather per step (1.5×" in capsys.readouterr().out
         return
-    with pytest.raises(ExerciseError, match="^07.3 ZeRO-1 by hand: ") as err:
-        ch07.zero1_step()
+    with pytest.raises(ExerciseError, match="^07.3 ZeRO-1 with clipping: ") as err:
+        ch07.zero1_clipped()
     assert hint in err.value.hint
+
+
+def test_padded_bytes_names_the_gap_not_the_measured_value(monkeypatch):
+    measured = {"params": 1408, "grads": 704, "optimizer": 1408}
+    monkeypatch.setattr(ch07, "run_ranks", lambda *a, **k: SimpleNamespace(values={
+        0: {"zero": {"memory": {"zero2": measured}}, "fsdp": {"memory": {"zero3": measured}}},
+        1: {"zero": {"memory": {}}, "fsdp": {"memory": {"zero3": measured}}}}))
+    guess = {("zero2", 0): (1404, 704, 1408), ("zero3", 0): (1408, 704, 1408), ("zero3", 1): (1408, 704, 1408)}
+    with pytest.raises(ExerciseError, match="^07.2 padding: ") as err:
+        ch07.padded_bytes(guess)
+    assert "zero2 params: 4 B = 1 fp32 element short: " in err.value.hint and "1,408" not in err.value.hint
 
 
 @pytest.mark.timeout(300)
@@ -95,3 +113,24 @@ def test_reshard_policy_without_the_root(tmp_path, no_leftovers, monkeypatch):
     """))
     with pytest.raises(ExerciseError, match="head.weight is not sharded"):
         ch07.reshard_policy(predicted={b: (b + 1, b - 1, b + 1) for b in (1, 2, 3)})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("body, hint", [
+    ("""last = len(model.blocks) - 1
+for i, block in enumerate(model.blocks):
+    fully_shard(block, mesh=mesh, reshard_after_forward=i > 0)  # the FIRST block kept: the same counts
+fully_shard(model, mesh=mesh)""", "with B = 2 blocks, after forward block 0 is still gathered and block 1 was freed: "
+                                  "keep only the LAST block"),
+    ("""last = len(model.blocks) - 1
+for i, block in enumerate(model.blocks):
+    fully_shard(block, reshard_after_forward=i < last)  # no mesh=: fully_shard makes its own
+fully_shard(model)""", "is sharded over a mesh fully_shard made itself, not the one given: pass mesh=mesh"),
+])
+def test_reshard_policy_state_and_mesh(body, hint, tmp_path, no_leftovers, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ex07_fsdp.py").write_text("from torch.distributed.fsdp import fully_shard\n\n\n"
+                                           "def shard_model(model, mesh):\n" + textwrap.indent(body, "    ") + "\n")
+    with pytest.raises(ExerciseError, match="^07.4 reshard policy: ") as err:
+        ch07.reshard_policy(predicted={b: (b + 1, b - 1, b + 1) for b in (1, 2, 3)})
+    assert hint in err.value.hint

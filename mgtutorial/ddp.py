@@ -65,8 +65,7 @@ class DDPConfig:
     evaluate: bool = True
     """Measure test-set accuracy at the end of each epoch."""
     tf32: bool = True
-    """False: full float32 on GPUs, no TF32 in cuDNN convolutions (torch's default allows it) nor
-    in matmuls, for exact comparisons (chapter 02); no effect on CPU."""
+    """False: no TF32 on GPUs (torch lets cuDNN convolutions use it), for exact comparisons; CPU: no effect."""
     fail_rank: int = -1
     """Fault injection for the lessons and tests: this rank fails …"""
     fail_step: int = -1
@@ -141,8 +140,9 @@ class Trainer:
     """Trains a (DDP-wrapped) model; every rank runs the same Trainer on its shard of the data.
 
     Methods: ``_run_batch`` (one optimizer step), ``_run_epoch`` (calls ``sampler.set_epoch``),
-    ``_log_step`` (the per-step record), ``evaluate``, public ``train``; chapters that change the loop
-    override one of them (chapter 03). ``max_steps`` starts as ``cfg.max_steps``. Rank 0 prints, saves.
+    ``_log_step`` (the per-step record), ``evaluate``, public ``train``; a chapter that changes the
+    loop subclasses it and overrides one (chapter 03). ``max_steps`` starts as ``cfg.max_steps``.
+    Only rank 0 prints and saves.
     """
 
     def __init__(self, model, train_set, test_set, optimizer, ctx: env.DistContext, cfg: DDPConfig):

@@ -128,15 +128,16 @@ def learning_rates(order: list, lrs=(0.001, 0.01, 0.05), max_steps: int = 45) ->
     """01.4: ``order`` lists the learning rates ``lrs`` from the lowest mean training loss over the
     first ``max_steps`` steps to the highest.
 
-    Trains one rank of ``ddp.worker`` per learning rate (chapter 01's cfg otherwise: batch 16,
-    SGD with momentum 0.9, the same seed) and reads each run's logged losses.
+    Trains one rank of ``ddp.worker`` per learning rate on the digits (chapter 01's cfg otherwise:
+    batch 16, SGD with momentum 0.9, the same seed) and reads each run's logged losses.
     """
     ex = "01.4 learning rate"
     guess = [answered(v, ex, f"order[{i}]") for i, v in enumerate(order)]
     require(sorted(guess) == sorted(lrs), ex, f"order is {guess}: list each of {', '.join(map(str, lrs))} once")
     mean_loss = {}
     for lr in lrs:
-        cfg = ddp.DDPConfig(epochs=1, batch_size=16, lr=lr, max_steps=max_steps, evaluate=False)
+        cfg = ddp.DDPConfig(dataset="digits", epochs=1, batch_size=16, lr=lr, max_steps=max_steps,
+                            evaluate=False)
         run_dir = run_ranks(ex, ddp.worker, cfg, 1, name=f"ex01_lr{lr:g}").run_dir
         losses = [rec["global_loss"] for rec in read_run(run_dir) if rec["kind"] == "train"]
         require(len(losses) == max_steps, ex, f"the run at lr={lr} logged {len(losses)} steps, not {max_steps}")

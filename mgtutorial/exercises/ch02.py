@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch.utils.data import DistributedSampler
 
-from .. import data, ddp
+from .. import data, ddp, env
 from ..launch import launch
 from ..run import WorkerFailed
 from ..runlog import read_run
@@ -91,7 +91,7 @@ def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
     """02.3: predictions for DDP on ``nprocs`` ranks with ``batch_size`` per rank over the whole first
     epoch of the digits: ``"samples_per_rank"``, ``"steps"`` (batches per rank), ``"last_batch"``
     (samples in each rank's last batch), and ``"equal"`` (bool: DDP's parameters equal one process
-    trained on the combined batches, largest difference < 1e-5).
+    trained on the combined batches, largest difference < 1e-5; < 1e-4 with GPU ranks).
 
     Launches ``ddp.worker`` for that epoch (full float32: ``tf32=False``) and trains the reference
     here with ``ddp.combined_batch_reference``.
@@ -111,12 +111,13 @@ def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
     require({guess["last_batch"]} == last, ex, f"predicted[\"last_batch\"] = {guess['last_batch']}: what is "
                                                f"left of {per_rank} after {steps - 1} full batches?")
     checkpoint = Path("runs/exercises/ex02_last_batch.pt").resolve()
-    cfg = ddp.DDPConfig(epochs=1, batch_size=batch_size, max_steps=steps, evaluate=False, tf32=False,
-                        checkpoint=str(checkpoint))
+    cfg = ddp.DDPConfig(dataset="digits", epochs=1, batch_size=batch_size, max_steps=steps, evaluate=False,
+                        tf32=False, checkpoint=str(checkpoint))
     run_ranks(ex, ddp.worker, cfg, nprocs, name="ex02_last_batch")
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
     diff = ddp.max_param_diff(ddp.combined_batch_reference(cfg, nprocs), state)
-    equal = diff < 1e-5
+    gpus = env.resolve_backend("auto", nprocs) == "nccl"  # GPU float32 vs the CPU reference: more rounding
+    equal = diff < (1e-4 if gpus else 1e-5)
     require(guess["equal"] == equal, ex,
             f"predicted[\"equal\"] = {guess['equal']}, but DDP {'equals' if equal else 'differs from'} one "
             "process on the combined batches: at the last step, does every rank's batch have the same size?")

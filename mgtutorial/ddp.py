@@ -62,10 +62,11 @@ class DDPConfig:
     checkpoint_every: int = 0
     """Also save a snapshot every this many steps, mid-epoch (0: only at epoch ends) — chapter 05."""
     resume: bool = False
-    """Load ``checkpoint`` if it exists and continue exactly where it was taken (mid-epoch too,
-    e.g. after ``max_steps`` cut an epoch short)."""
+    """Load ``checkpoint`` if it exists and continue exactly where it was taken (mid-epoch too)."""
     evaluate: bool = True
     """Measure test-set accuracy at the end of each epoch."""
+    tf32: bool = True
+    """False: no TF32 on GPUs (torch lets cuDNN convolutions use it), for exact comparisons; CPU: no effect."""
     fail_rank: int = -1
     """Fault injection for the lessons and tests: this rank fails …"""
     fail_step: int = -1
@@ -92,11 +93,9 @@ class DDPConfig:
 
 
 def rank_loader(train_set, cfg: DDPConfig, rank: int, world_size: int, epoch: int = 0):
-    """Rank ``rank``'s training loader for ``cfg`` (per-rank batch, seed, shuffle), set to ``epoch``.
-
-    The one place the chapters' workers and the single-process reference build it, so they all
-    draw the same indices (see :func:`mgtutorial.data.train_loader`).
-    """
+    """Rank ``rank``'s training loader for ``cfg`` (per-rank batch, seed, shuffle), set to ``epoch``:
+    the one place the workers and the single-process reference build it, so they all draw the same
+    indices (see :func:`mgtutorial.data.train_loader`)."""
     loader = data.train_loader(train_set, cfg.batch_size, rank, world_size, seed=cfg.seed, shuffle=cfg.shuffle)
     loader.sampler.set_epoch(epoch)
     return loader
@@ -128,6 +127,8 @@ def build(cfg: DDPConfig, ctx: env.DistContext, wrap=apply_ddp, model_cls=models
     builds it (default the article's CNN).
     """
     env.seed_everything(cfg.seed)
+    if not cfg.tf32:  # cuDNN's convolutions may use TF32 unless told not to (torch's default)
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     train_set, test_set = data.load_dataset(cfg.dataset, cfg.data_root, cfg.download, seed=cfg.seed)
     in_shape = tuple(train_set[0][0].shape)
     model = wrap(model_cls(in_shape=in_shape), ctx)
@@ -139,9 +140,9 @@ class Trainer:
     """Trains a (DDP-wrapped) model; every rank runs the same Trainer on its shard of the data.
 
     Methods: ``_run_batch`` (one optimizer step), ``_run_epoch`` (calls ``sampler.set_epoch``),
-    ``_log_step`` (the per-step record), ``evaluate``, public ``train``. Chapters that change the
-    loop subclass it and override one of them (chapter 03). ``max_steps`` (optimizer steps) starts
-    as ``cfg.max_steps``. Only rank 0 prints and saves.
+    ``_log_step`` (the per-step record), ``evaluate``, public ``train``; a chapter that changes the
+    loop subclasses it and overrides one (chapter 03). ``max_steps`` starts as ``cfg.max_steps``.
+    Only rank 0 prints and saves.
     """
 
     def __init__(self, model, train_set, test_set, optimizer, ctx: env.DistContext, cfg: DDPConfig):
@@ -236,8 +237,7 @@ class Trainer:
         """Run the epochs (or ``max_steps``); log, evaluate, checkpoint. Returns a summary dict whose
         ``samples_per_s`` is the course's one throughput: samples trained ÷ ``train_time_s``, the seconds
         in the epochs' step loops (evaluation, epoch-end checkpoints excluded); a job's is the ranks' sum."""
-        acc, train_time = None, 0.0
-        epoch = self.first_epoch
+        acc, train_time, epoch = None, 0.0, self.first_epoch
         total = self.cfg.epochs * len(self.loader)
         self.log.plan(steps=min(total, self.max_steps or total))
         for epoch in range(self.first_epoch, self.cfg.epochs):

@@ -69,8 +69,12 @@ def time_op(fn, device: torch.device, warmup: int = 2, repeats: int = 5, barrier
 def time_cuda_events(fn, repeats: int = 5) -> list[float]:
     """Seconds per call of ``fn()`` measured on the GPU's own clock with CUDA events (GPU only).
 
-    ``start.record()`` and ``end.record()`` are queued on the stream around ``fn``; the time between
-    them is read after ``end.synchronize()``. Raises RuntimeError without CUDA.
+    ``start.record()`` and ``end.record()`` are queued on the current stream around ``fn``; the time
+    between them is read after ``end.synchronize()``. No warm-up and no barrier: do both before
+    calling it (:func:`time_op` does). Work ``fn`` queues on another stream is covered only if the
+    current stream waits for it: a collective only when called synchronously (``async_op=False``,
+    which orders it on the current stream), not with ``async_op=True`` before ``work.wait()``.
+    Raises RuntimeError without CUDA. Follows https://pytorch.org/docs/stable/generated/torch.cuda.Event.html.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA events need a CUDA GPU; on CPU use time_op (perf_counter).")

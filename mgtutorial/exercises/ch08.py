@@ -18,6 +18,7 @@ from unittest import mock
 
 import torch
 
+from .. import costmodel as cm
 from .. import env
 from .. import tensor_parallel as tp
 from .. import tensor_parallel_mesh as M
@@ -82,23 +83,39 @@ def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a * b).sum() / (b * b).sum())
 
 
+def _spy_all_reduce(group, seen: list):
+    """``dist.all_reduce`` that appends to ``seen`` whether each call passed ``group``."""
+    real = torch.distributed.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):  # all_reduce(tensor, op, group, async_op)
+        seen.append(kwargs.get("group", args[1] if len(args) > 1 else None) is group)
+        return real(tensor, *args, **kwargs)
+    return all_reduce
+
+
 def split_mlp_worker(cfg: SplitMLPConfig) -> dict:
     """Run the hand-split MLP with the learner's pieces and the unsplit MLP on the same input.
 
-    Returns {"output", "x.grad", "w1", "b1", "w2", "b2": [max |split − unsplit|, least-squares
-    ratio split / unsplit]}, "partial_sum" (max |output − this rank's partial sum + b2|, i.e. the
-    output had g not summed), "bias_copies" (least-squares k in output − unsplit = (k − 1)·b2) and
+    The split MLP is built on an explicit group (``dist.new_group`` of all ranks), and every
+    ``dist.all_reduce`` call is watched for it. Returns {"output", "x.grad", "w1", "b1", "w2", "b2":
+    [max |split − unsplit|, least-squares ratio split / unsplit]}, "partial_sum" (max |output − this
+    rank's partial sum + b2|, i.e. the output had g not summed), "local_dx" (max |x.grad − this
+    rank's share of it|, i.e. the gradient had f not summed), "bias_copies" (least-squares k in
+    output − unsplit = (k − 1)·b2), "other_group" (all-reduce calls not given the group) and
     "counts" ({"forward", "backward": {collective: calls}}, from ``CommDebugMode``).
     """
     from torch.nn import functional as F
 
     with env.distributed(cfg.backend) as ctx:
         env.seed_everything(cfg.seed)
+        group = torch.distributed.new_group(list(range(ctx.world_size)))
         ref = tp.MLP(cfg.h, cfg.ffn).to(ctx.device)
-        split = tp.HandTPMLP(ref, ctx.rank, ctx.world_size)
+        split = tp.HandTPMLP(ref, ctx.rank, ctx.world_size, group=group)
         x, dy = (t.to(ctx.device) for t in M._inputs(cfg))
         want, want_dx, _ = M._run(ref, x, dy)
+        seen = []
         with ExitStack() as stack:
+            stack.enter_context(mock.patch.object(torch.distributed, "all_reduce", _spy_all_reduce(group, seen)))
             if cfg.mode == "fg":
                 module = import_file(cfg.path)
                 for name in ("CopyToTP", "ReduceFromTP"):
@@ -110,10 +127,14 @@ def split_mlp_worker(cfg: SplitMLPConfig) -> dict:
         for name, p in split.named_parameters():
             result[name] = (p.grad, tp.hand_shard(name, ref.get_parameter(tp.unsplit_name(name)).grad,
                                                   ctx.rank, ctx.world_size))
-        partial = F.linear(F.gelu(F.linear(x, split.w1, split.b1)), split.w2) + split.b2
+        xl = x.clone().requires_grad_()
+        partial = F.linear(F.gelu(F.linear(xl, split.w1, split.b1)), split.w2)
+        (local_dx,) = torch.autograd.grad((partial * dy).sum(), xl)
         return {**{k: [float((a - b).abs().max()), _ratio(a, b)] for k, (a, b) in result.items()},
-                "partial_sum": float((out - partial).abs().max()),
+                "partial_sum": float((out - partial - split.b2).abs().max()),
+                "local_dx": float((dx - local_dx).abs().max()),
                 "bias_copies": 1 + _ratio(out - want, split.b2.detach().expand_as(out)),
+                "other_group": seen.count(False),
                 "counts": {k: c[k] for k in ("forward", "backward")}}
 
 
@@ -130,9 +151,9 @@ TOL = 1e-5
 
 def f_and_g(path: str = "ex08_fg.py") -> None:
     """08.2: ``CopyToTP`` (f) and ``ReduceFromTP`` (g) in ``path``, ``torch.autograd.Function``s
-    called as ``f.apply(x, group)``. Run in ``HandTPMLP`` on 2 ranks; the output, the input's
-    gradient and every parameter's gradient must equal the unsplit MLP's, with one all-reduce in
-    forward and one in backward."""
+    called as ``f.apply(x, group)``. Run in ``HandTPMLP`` on 2 ranks, built on an explicit group; the
+    output, the input's gradient and every parameter's gradient must equal the unsplit MLP's, with
+    one all-reduce in forward and one in backward, each given that group."""
     ex = "08.2 f and g"
     for cls in ("CopyToTP", "ReduceFromTP"):
         fn = getattr(import_file(path, ex), cls, None)
@@ -151,13 +172,18 @@ def f_and_g(path: str = "ex08_fg.py") -> None:
                     "one's: " + ("ReduceFromTP's backward must be the identity (every rank already holds the "
                                  "whole gradient of the output)" if close(k, 2, rel=1e-3) else
                                  "check what ReduceFromTP's backward returns"))
-        require(dx <= TOL, ex, f"output and weight gradients right, but rank {rank}'s gradient of the input x "
-                f"is {k_dx:.2g}× the unsplit one's: it is not the sum over ranks; CopyToTP (f) must "
-                "all-reduce the gradient in backward")
+        require(dx <= TOL, ex, f"output and weight gradients right, but rank {rank}'s gradient of the input x is " + (
+            "only this rank's share: CopyToTP (f) must add the shares of all ranks in backward (dist.all_reduce)"
+            if v["local_dx"] <= TOL else f"{k_dx:.2g}× the unsplit one's: did you average? f sums the ranks' shares "
+            "(all_reduce's default op, SUM), with no division by the world size" if close(k_dx, 0.5, rel=1e-3) else
+            "not the sum of the ranks' shares: CopyToTP (f) must all-reduce the gradient in backward"))
+        require(v["other_group"] == 0, ex, f"right results, but {v['other_group']} all-reduce(s) of rank {rank} "
+                "did not get the group passed to apply: pass it on, dist.all_reduce(t, group=group); without "
+                "it they run on all ranks, and on a 2-D mesh (section 6) the TP group is only some of them")
         for phase, calls in v["counts"].items():
             require(calls == {"all_reduce": 1}, ex, f"right results, but rank {rank} issued {calls or 'no collectives'} "
                     f"in {phase}: Megatron's f and g need exactly one all-reduce each way")
-    passed(ex, "your f and g split the MLP exactly: output and all gradients == unsplit, 1 all-reduce each way")
+    passed(ex, "your f and g split the MLP exactly: output and all gradients == unsplit, 1 all-reduce each way on the given group")
 
 
 # --- 08.3 ---------------------------------------------------------------------------------------
@@ -168,7 +194,8 @@ NAMES = ("output", "x.grad", "w1", "b1", "w2", "b2")
 def bias_before_g(path: str = "ex08_bias.py", predicted: dict | None = None) -> None:
     """08.3: ``forward(m, x)`` in ``path`` adds ``m.b2`` *before* g; ``predicted`` = {"wrong": the set
     of :data:`NAMES` that then differ from the unsplit MLP, "bias_copies": how many b2 the output
-    holds (int)}. Runs the forward in ``HandTPMLP`` on 2 ranks and compares."""
+    holds (int)}. Runs the forward in ``HandTPMLP`` on 2 ranks, and the backward of
+    ``(out · dy).sum()`` with a fixed ``dy``, and compares."""
     ex = "08.3 bias before g"
     v = _run_split(ex, path, "forward")[0]
     require(v["output"][0] > TOL, ex, "your forward gives the unsplit output: it still adds b2 after g; add it "
@@ -182,42 +209,66 @@ def bias_before_g(path: str = "ex08_bias.py", predicted: dict | None = None) -> 
     require(not unknown, ex, f"predicted['wrong'] names {sorted(unknown)}: choose among {list(NAMES)}")
     measured = {name for name in NAMES if v[name][0] > TOL}
     require(set(wrong) == measured, ex, f"measured wrong: {sorted(measured)}, you predicted {sorted(wrong)}: "
-            "g's backward is the identity, so what does b2 + partial change in backward?")
+            "the loss is (out · dy).sum() with a fixed dy, and g's backward is the identity: "
+            "what does b2 + partial change in backward?")
     require(copies == got, ex, f"the output holds {got} copies of b2, not {copies}: every rank adds its own "
             "before the sum")
-    passed(ex, f"only the output is wrong, by (tp − 1)·b2: it holds {got} copies of b2 on 2 ranks")
+    passed(ex, f"with a fixed dy only the output is wrong, by (tp − 1)·b2: it holds {got} copies of b2 on 2 ranks")
 
 
 # --- 08.4 ---------------------------------------------------------------------------------------
 
 
-def _reference_ratio(tp_degree: int) -> float:
-    """Section 7's ratio: one block's forward communication per rank over NVLink / its matmuls at peak."""
+LINKS = {"nvlink": cm.H100.intra_bw, "infiniband": cm.H100.inter_bw}
+"""08.4's links (B/s per direction): NVLink 4 and one NDR InfiniBand port per GPU (``cm.H100``)."""
+N_HEADS = 96
+"""08.4's head count (GPT-3: 96 heads of 128 features, h = 12288): a TP degree must divide it."""
+
+
+def _reference_ratio(tp_degree: int, link_bw: float) -> float:
+    """Section 7's ratio: one block's forward communication per rank over ``link_bw`` / its matmuls
+    at ``cm.H100.peak_flops``."""
     s, h = 2048, 12288
     big = tp.comm_bytes(b=1, s=s, h=h, ffn=4 * h, tp=tp_degree, elem=2)
-    comm_s = big["tp_forward"] * 2 * (tp_degree - 1) / tp_degree / 450e9
-    return comm_s / (2 * big["params"] * s / tp_degree / 990e12)
+    comm_s = big["tp_forward"] * 2 * (tp_degree - 1) / tp_degree / link_bw
+    return comm_s / (2 * big["params"] * s / tp_degree / cm.H100.peak_flops)
 
 
-def crossover(ratio, smallest_tp=...) -> None:
-    """08.4: ``ratio(tp) -> float`` (communication / compute of one block's forward over NVLink at
-    the GPT-3-like size of section 7) and ``smallest_tp`` (int), the smallest TP degree with
-    ``ratio > 1``. Compared with the section's arithmetic at tp = 2, 4, 8, 16, 32."""
+def _check_ratio(ex: str, ratio) -> None:
+    for bw in LINKS.values():
+        for n in (8, 2, 3, 4, 16, 24):
+            got, want = attempt(ex, ratio, n, bw), _reference_ratio(n, bw)
+            if close(got, want, rel=1e-6):
+                continue
+            fixes = [(2 * (n - 1) / n, "a ring all-reduce sends 2(n − 1)/n of the tensor from each rank"),
+                     (n, "each rank computes 1/tp of the matmuls"),
+                     (2 * (n - 1), "count the ring's 2(n − 1)/n, and each rank computes only 1/tp of the matmuls"),
+                     (989 / 990, f"take the peak from cm.H100.peak_flops ({cm.H100.peak_flops:.4g} FLOP/s)"),
+                     (LINKS["nvlink"] / bw, "divide by link_bw, the link asked for, not a fixed NVLink bandwidth")]
+            why = next((text for k, text in fixes if close(got * k, want, rel=1e-6)), "compare with section 7's cell")
+            require(False, ex, f"ratio({n}, {bw:.3g}) = {got:.3g}, section 7's arithmetic gives {want:.3g}: {why}")
+
+
+def crossover(ratio, smallest_tp: dict | None = None) -> None:
+    """08.4: ``ratio(tp, link_bw) -> float`` (communication / compute of one block's forward at the
+    GPT-3-like size of section 7, ``link_bw`` in B/s, peak ``cm.H100.peak_flops``) and
+    ``smallest_tp`` = {"nvlink", "infiniband": int}, per link of :data:`LINKS` the smallest TP degree
+    dividing :data:`N_HEADS` with ``ratio > 1``. ``ratio`` is compared with the section's
+    arithmetic at tp = 2, 3, 4, 8, 16, 24 on both links."""
     ex = "08.4 crossover"
-    for n in (8, 2, 4, 16, 32):
-        got, want = attempt(ex, ratio, n), _reference_ratio(n)
-        if close(got, want, rel=1e-6):
-            continue
-        fixes = [(2 * (n - 1) / n, "a ring all-reduce sends 2(n − 1)/n of the tensor from each rank"),
-                 (n, "each rank computes 1/tp of the matmuls"),
-                 (2 * (n - 1), "count the ring's 2(n − 1)/n, and each rank computes only 1/tp of the matmuls")]
-        why = next((text for k, text in fixes if close(got * k, want, rel=1e-6)), "compare with section 7's cell")
-        require(False, ex, f"ratio({n}) = {got:.3g}, section 7's arithmetic gives {want:.3g}: {why}")
-    guess = answered(smallest_tp, ex, "smallest_tp")
-    want = next(n for n in range(2, 1025) if _reference_ratio(n) > 1)
-    require(isinstance(guess, int) and guess >= 2, ex, f"smallest_tp = {guess!r}: give an int ≥ 2")
-    require(_reference_ratio(guess) > 1, ex, f"ratio({guess}) = {_reference_ratio(guess):.3g} ≤ 1: at tp = "
-            f"{guess} the communication still takes less time than the matmuls; try larger degrees")
-    require(guess == want, ex, f"ratio({guess - 1}) = {_reference_ratio(guess - 1):.3g} is already > 1: "
-            "look for a smaller tp")
-    passed(ex, f"ratio(8) = {_reference_ratio(8):.2f}, growing with tp − 1; communication wins from tp = {want}")
+    _check_ratio(ex, ratio)
+    smallest_tp = smallest_tp or {}
+    found = {}
+    for link, bw in LINKS.items():
+        guess = answered(smallest_tp.get(link), ex, f'smallest_tp["{link}"]')
+        want = found[link] = next(n for n in range(2, N_HEADS + 1) if N_HEADS % n == 0 and _reference_ratio(n, bw) > 1)
+        name = f'smallest_tp["{link}"] = {guess!r}'
+        require(isinstance(guess, int) and guess >= 2, ex, f"{name}: give an int ≥ 2")
+        require(N_HEADS % guess == 0, ex, f"{name} does not divide the {N_HEADS} heads: each rank must hold "
+                "whole heads, and tp.check_heads refuses such a degree (section 3); look among the divisors of 96")
+        require(_reference_ratio(guess, bw) > 1, ex, f"{name}: ratio = {_reference_ratio(guess, bw):.3g} ≤ 1, "
+                "the communication still takes less time than the matmuls; try larger divisors of 96")
+        require(guess == want, ex, f"{name}: a smaller divisor of 96 already has ratio > 1 on this link")
+    nv, ib = (_reference_ratio(8, bw) for bw in LINKS.values())
+    passed(ex, f"ratio(8) = {nv:.2f} over NVLink, {ib:.2f} over InfiniBand, growing with tp − 1; among divisors "
+           f"of {N_HEADS} heads, communication wins from tp = {found['nvlink']} (NVLink) and {found['infiniband']} (InfiniBand)")

@@ -9,6 +9,7 @@ simulated device with a fake clock, whose every call is recorded.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 
 from .. import costmodel as cm
@@ -75,37 +76,61 @@ CAP_MB = 0.0001
 """09.3's ``bucket_cap_mb``."""
 
 
-def _ddp_buckets() -> list[int]:
-    """Bytes per bucket of a 2-rank DDP step of the chapter's CNN with ``bucket_cap_mb=CAP_MB``,
-    from the step after DDP rebuilt its buckets (a counting communication hook, chapter 03b)."""
+def _ddp_buckets() -> tuple[list[int], list[int]]:
+    """Bytes per bucket of steps 1 and 2 of a 2-rank DDP run of the chapter's CNN with
+    ``bucket_cap_mb=CAP_MB`` (a counting communication hook, chapter 03b); DDP rebuilds its
+    buckets after step 1."""
     cfg = ddp_internals.HooksConfig(bucket_cap_mb=CAP_MB, max_steps=2, epochs=1, dataset="digits",
                                     evaluate=False, batch_size=8)
     result = run_ranks("09.3 buckets", ddp_internals.hooks_worker, cfg, 2, name="buckets")
-    last = [r for r in runlog.of_kind(runlog.read_run(result.run_dir), "sync") if r["rank"] == 0][-1]
-    return [4 * elements for elements in last["bucket_sizes"]]  # float32 gradients
+    steps = [r for r in runlog.of_kind(runlog.read_run(result.run_dir), "sync") if r["rank"] == 0]
+    return tuple([4 * elements for elements in steps[i]["bucket_sizes"]] for i in (0, -1))  # float32
 
 
-def buckets(grad_bytes: list, cap_bytes: int, n_buckets=...) -> None:
-    """09.3: ``grad_bytes`` (ints, one per parameter of ``models.ArticleCNN()``, in the order backward
-    produces the gradients), ``cap_bytes`` (``bucket_cap_mb=0.0001`` in bytes, as DDP rounds it) and
-    ``n_buckets`` (the predicted count). Compared with :func:`costmodel.bucket_layout` and with the
-    buckets of a real 2-rank DDP step."""
-    ex = "09.3 buckets"
+def _layouts(cap_bytes: int, backward: bool = True) -> list[list[int]]:
+    """:func:`costmodel.bucket_layout` over ``reversed(parameters())`` (or, ``backward=False``, the
+    forward order), first, and with the weight and bias of any layers in the other order."""
+    layers: dict[str, list[int]] = {}
     params = list(models.ArticleCNN().named_parameters())
-    want = [p.numel() * p.element_size() for _, p in reversed(params)]
+    for name, p in reversed(params) if backward else params:
+        layers.setdefault(name.rsplit(".", 1)[0], []).append(p.numel() * p.element_size())
+    return [cm.bucket_layout([b for flip, sizes in zip(flips, layers.values()) for b in (sizes[::-1] if flip else sizes)],
+                             cap_bytes) for flips in itertools.product((False, True), repeat=len(layers))]
+
+
+def buckets(cap_bytes: int, predicted=...) -> None:
+    """09.3: ``cap_bytes`` (``bucket_cap_mb=0.0001`` in bytes, as DDP rounds it) and ``predicted``
+    (list of ints), the bytes of each bucket DDP all-reduces per step for ``models.ArticleCNN()``
+    once it has rebuilt its buckets, in order. Compared with step 2 of a real 2-rank DDP run; the
+    weight and bias of a layer may come in either order."""
+    ex = "09.3 buckets"
     require(cap_bytes == int(CAP_MB * 1024 * 1024), ex, f"cap_bytes = {cap_bytes!r}: bucket_cap_mb is in MiB; "
             "DDP uses int(bucket_cap_mb * 1024 * 1024) bytes")
-    require(sorted(grad_bytes) == sorted(want), ex, f"grad_bytes = {list(grad_bytes)}: one entry per parameter, "
-            "numel() × element_size() bytes")
-    require(list(grad_bytes) == want, ex, f"grad_bytes starts with {grad_bytes[0]} bytes ({dict((p.numel() * p.element_size(), n) for n, p in params)[grad_bytes[0]]}), "
-            "but backward produces the last layer's gradients first: reversed(list(model.parameters()))")
-    guess = answered(n_buckets, ex, "n_buckets")
-    layout, ddp = cm.bucket_layout(want, cap_bytes), _ddp_buckets()
-    require(len(layout) == len(ddp), ex, f"costmodel.bucket_layout gives {len(layout)} buckets, DDP made {len(ddp)}: "
-            "DDP's rule has changed in this torch version")
-    require(guess == len(ddp), ex, f"DDP all-reduced {len(ddp)} buckets per step, not {guess}: every gradient of "
-            f"at least {cap_bytes} bytes fills a bucket by itself; smaller ones join the next")
-    passed(ex, f"{len(ddp)} buckets for 6 gradients with a {cap_bytes}-byte cap, as bucket_layout and DDP agree")
+    guess = answered(predicted, ex, "predicted")
+    require(isinstance(guess, (list, tuple)) and all(isinstance(b, int) for b in guess), ex,
+            f"predicted = {guess!r}: a list of ints, the bytes of each bucket")
+    total = sum(p.numel() * p.element_size() for p in models.ArticleCNN().parameters())
+    require(sum(guess) == total, ex, f"your buckets hold {sum(guess):,} bytes, the 6 gradients {total:,}: each "
+            "gradient sits in exactly one bucket, numel() × 4 bytes (float32)")
+    (first,), later = _ddp_buckets()
+    layouts = _layouts(cap_bytes)
+    require(later in layouts, ex, f"DDP made buckets {later} from step 2 on, which no order of each layer's weight "
+            "and bias explains: DDP's rule has changed in this torch version")
+    if list(guess) not in layouts:
+        near = {len(b): b for b in layouts}.get(len(guess))
+        require(len(guess) != 1, ex, "one bucket is DDP's first step, before it knows the order gradients arrive "
+                "in; predict the buckets it rebuilds for step 2 and after")
+        require(list(guess) not in _layouts(cap_bytes, backward=False), ex, "these are the buckets in forward order, "
+                "conv1 first: backward produces the last layer's gradients first (fc2)")
+        require(near is not None, ex, f"DDP all-reduced {len(later)} buckets per step from step 2 on, not "
+                f"{len(guess)}: a bucket closes as soon as it holds at least {cap_bytes} bytes; a smaller gradient "
+                "joins the next one")
+        require(False, ex, f"the right count, {len(guess)}, but not DDP's bytes: go from fc2 back to conv1, closing "
+                f"a bucket once it holds at least {cap_bytes} bytes")
+    layout = layouts[0]
+    note = "the same" if layout == later else f"{layout}: the same, in another order (DDP's is the real arrival order)"
+    passed(ex, f"from step 2 on DDP all-reduces {len(later)} buckets, {later} bytes, as predicted (step 1: one of "
+           f"{first:,}); bucket_layout over reversed(parameters()) gives {note}")
 
 
 # --- 09.4 ---------------------------------------------------------------------------------------
@@ -117,7 +142,10 @@ class FakeDevice:
     ``fn()`` *queues* a collective and returns after ``ENQUEUE_S``; the work ends ``durations[i]``
     after it can start, and it can start only once the peer has arrived: the peer arrives
     ``late_s`` after each call unless a ``barrier()`` (which waits for it) came since the last call.
-    ``synchronize()`` waits for the queue; ``clock()`` reads the fake time. ``events`` records
+    The barrier waits for the peer only, as gloo's does (it does not touch CUDA streams); NCCL's,
+    a one-element all-reduce, also synchronizes the host with the current stream, but no other, so
+    a timing function must not rely on it. ``synchronize()`` waits for the queue; ``clock()`` reads
+    the fake time. ``events`` records
     every call in order: "fn", "sync", "barrier", "clock".
     """
 
@@ -164,11 +192,18 @@ def timing(fn) -> None:
     got = attempt(ex, fn, dev.fn, warmup=warmup, repeats=len(timed), clock=dev.clock, barrier=dev.barrier,
                   synchronize=dev.synchronize)
     calls = dev.events.count("fn")
+    require(not isinstance(got, (int, float)) or got > 10 * FakeDevice.ENQUEUE_S, ex, f"returned {got!r} s per "
+            f"call: the time op() takes to queue its work ({FakeDevice.ENQUEUE_S:g} s here), not to run it (about "
+            "1 s): on a GPU, kernels and NCCL collectives return before they finish; synchronize() before you "
+            "stop the clock")
     require(calls == warmup + len(timed), ex, f"op was called {calls} times, expected warmup + repeats = "
             f"{warmup + len(timed)}: first {warmup} untimed warm-up calls, then {len(timed)} timed ones")
     spans = _timed_spans(dev.events, warmup)
     require("clock" not in spans[0] or "sync" in spans[0][:spans[0].index("clock")], ex,
-            "the clock started while the warm-up's queued work was still running: synchronize() after the warm-up")
+            "no synchronize() between the warm-up and the first clock(): the warm-up's queued work may still "
+            "be running when the clock starts. Synchronize before starting the clock, and before stopping "
+            "it; don't count on barrier() for that (gloo's does not touch CUDA streams, NCCL's happens to "
+            "synchronize the current stream only)")
     for k, (before, after) in enumerate(zip(spans, spans[1:]), 1):
         start = len(before) - before[::-1].index("clock") - 1 if "clock" in before else None
         require(start is not None, ex, f"timed call {k} has no clock() read before it")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -70,15 +71,16 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def compare_with_reference(ex: str, ranks: list[dict], cfg: ddp.DDPConfig, tol: float = 1e-5,
-                           what: str = "the mean of the ranks' gradients") -> float:
+                           what: str = "the mean of the ranks' gradients", unsynced: str = "") -> float:
     """Require every rank's parameters equal (< 1e-6) and rank 0's equal (< ``tol``) to
     ``ddp.combined_batch_reference(cfg)``; the hint says how far they moved against the reference
-    (2× on 2 ranks: a sum, not a mean). Returns the largest difference to the reference."""
+    (2× on 2 ranks: a sum, not a mean). ``unsynced`` ends the hint when the ranks differ (default:
+    all-reduce the gradients). Returns the largest difference to the reference."""
     for r, state in enumerate(ranks[1:], 1):
         d = max_diff(ranks[0], state)
         require(d < 1e-6, ex, f"after {cfg.max_steps} steps rank 0's and rank {r}'s parameters differ by up to "
-                              f"{d:.2g}: each stepped with its own gradient; all-reduce the gradients so that "
-                              f"every rank steps with {what}")
+                              f"{d:.2g}: each stepped with its own gradient; "
+                              + (unsynced or f"all-reduce the gradients so that every rank steps with {what}"))
     plain = env.DistContext(0, 0, 1, "none", torch.device("cpu"), False)
     init = ddp.build(cfg, plain)[0].state_dict()
     reference = ddp.combined_batch_reference(cfg, len(ranks)).state_dict()
@@ -163,7 +165,8 @@ def average_by_hand(path: str = "ex03a_average.py") -> None:
     function_from(path, "average_gradients", ex)
     cfg = AverageConfig(path=str(Path(path).resolve()), dataset="synthetic", batch_size=8, max_steps=3, evaluate=False)
     result = run_ranks(ex, average_worker, cfg, 2, name="average")
-    compare_with_reference(ex, load_params(result.run_dir, 2), cfg)
+    compare_with_reference(ex, load_params(result.run_dir, 2), cfg, unsynced="if you all-reduced a flat copy of "
+                           "the gradients, copy the reduced pieces back into the p.grad tensors (g.copy_(...))")
     calls = result.values[0]["calls_per_step"]
     require(calls == [1] * cfg.max_steps, ex, f"the values are right, with {calls} all-reduce calls per step: one "
                                               f"per parameter tensor; put every gradient in one flat tensor "
@@ -183,8 +186,9 @@ class FileConfig:
     """Elements of each rank's tensor (rank r starts with ``[10r, 10r + 1, …]``)."""
     backend: str = "auto"
     """"auto" | "gloo" | "nccl"."""
-    delay_s: float = 1.0
-    """03a.4: the last rank calls the learner's function this much later than the others."""
+    head_start_s: float = 2.0
+    """03a.4: the last rank calls the learner's function once rank 0's ``compute()`` has finished,
+    or after this long if it does not (a blocking all-reduce waits for the last rank first)."""
     compute_s: float = 0.3
     """03a.4: how long ``compute()`` computes."""
 
@@ -226,12 +230,15 @@ def ring_all_reduce(path: str = "ex03a_ring.py", nprocs: int = 4) -> None:
 # --- 03a.4 ----------------------------------------------------------------------------------------
 
 def overlap_worker(cfg: FileConfig) -> dict:
-    """Rank-side: the learner's ``reduce_while_computing(t, compute)``, the last rank ``delay_s``
-    late; ``compute()`` notes whether the all-reduce was in flight when it started."""
+    """Rank-side, on gloo (where a blocking all-reduce returns only once it is done; on NCCL it
+    returns once queued): the learner's ``reduce_while_computing(t, compute)``; the last rank calls
+    it once rank 0's ``compute()`` has finished (a store key), at most ``head_start_s`` late.
+    ``compute()`` notes whether the all-reduce was in flight when it started; the result is read
+    as soon as the function returns."""
     fn = function_from(cfg.path, "reduce_while_computing")
-    with env.distributed(cfg.backend) as ctx:
+    with env.distributed("gloo") as ctx:
         t = collectives._start_tensor(ctx.rank, cfg.size, ctx.device)
-        seen = {"computed": 0}
+        store, seen = dist.distributed_c10d._get_default_store(), {"computed": 0}
 
         def compute():
             seen["computed"] += 1
@@ -239,11 +246,13 @@ def overlap_worker(cfg: FileConfig) -> dict:
             x, start = torch.randn(128, 128), time.time()
             while time.time() - start < cfg.compute_s:
                 x = torch.tanh(x @ x)
+            store.set(f"computed{ctx.rank}", "1")
             return x.sum().item()
 
         dist.barrier()
         if ctx.rank == ctx.world_size - 1:
-            time.sleep(cfg.delay_s)
+            with contextlib.suppress(dist.DistStoreError):  # compute() did not run: go anyway
+                store.wait(["computed0"], timedelta(seconds=cfg.head_start_s))
         with patched([], ("all_reduce",)) as calls:
             fn(t, compute)
         return {"result": t.tolist(), "calls": len(calls), **seen}
@@ -251,7 +260,8 @@ def overlap_worker(cfg: FileConfig) -> dict:
 
 def overlap(path: str = "ex03a_overlap.py") -> None:
     """03a.4: ``reduce_while_computing(t, compute)`` in ``path`` all-reduces ``t`` and calls
-    ``compute()`` once while the all-reduce is in flight. Verified on rank 0 (the last rank is 1 s late)."""
+    ``compute()`` once while the all-reduce is in flight. Verified on rank 0: the last rank joins the
+    all-reduce only once rank 0's ``compute()`` has finished."""
     ex = "03a.4 overlap"
     function_from(path, "reduce_while_computing", ex)
     values = run_ranks(ex, overlap_worker, FileConfig(path=str(Path(path).resolve())), 2, name="overlap").values

@@ -45,8 +45,9 @@ def article_batches(cfg: ArticleConfig, rank: int):
 
 
 def checksum(model: nn.Module) -> float:
-    """Sum of every parameter (float64): equal on two copies that hold the same weights."""
-    return float(sum(p.detach().double().sum() for p in model.parameters()))
+    """Sum of every parameter, in float64 on the CPU: equal on two copies that hold the same weights,
+    whichever device each copy is on."""
+    return float(sum(p.detach().cpu().double().sum() for p in model.parameters()))
 
 
 def article_worker(cfg: ArticleConfig) -> dict:

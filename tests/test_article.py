@@ -143,5 +143,5 @@ def test_synchronised_copies_equal_one_model_on_both_batches(runs, no_leftovers,
     res = launch(ch06b.sync_worker, ch06b.SyncConfig(path=str(sync), steps=3), 2, runs_dir=runs).wait(timeout=40)
     reference = MP.combined_batch_reference(MP.ArticleConfig(steps=3), nprocs=2)
     for r in (0, 1):
-        torch.testing.assert_close(torch.load(res.run_dir / f"rank{r}-model.pt", weights_only=True),
+        torch.testing.assert_close(torch.load(res.run_dir / f"rank{r}-model.pt", map_location="cpu", weights_only=True),
                                    reference, rtol=1e-4, atol=1e-6)

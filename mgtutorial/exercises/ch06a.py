@@ -9,6 +9,7 @@ The rank-side checkers run the learner's file in ranks and read what the ranks l
 from __future__ import annotations
 
 import datetime
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,29 +19,49 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import env, runlog
-from ._common import ExerciseError, RankFailed, answered, close, function_from, passed, require, run_file, run_ranks
+from ..models import cnn_flatten_size
+from ._common import ExerciseError, RankFailed, answered, attempt, close, function_from, passed, require, run_file, run_ranks
+
+
+def _a(value) -> str:
+    """"a list", "an int": the type of ``value`` with its article."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+IMAGE = (3, 64, 64)
+"""06a.1's images: not the sample's 32×32, so that section 1.1's numbers are no answer."""
 
 
 def view_batch_sizes(predicted) -> None:
-    """06a.1: ``predicted`` lists the batch sizes B in 1…100 for which ``view(-1, 4608)`` succeeds
-    on the sample's features of B 32×32 images (``(B, 32, 14, 14)``); the checker tries each one."""
+    """06a.1: ``predicted`` maps every batch size B in 1…100 for which the sample's ``view(-1, 4608)``
+    succeeds on the features of B images of 64×64 (``cnn_flatten_size((3, 64, 64))`` per image) to
+    the number of rows (int) it gives; the checker tries each batch size on a real tensor."""
     ex = "06a.1 batch sizes"
-    guess = set(answered(predicted, ex, "predicted"))
-    works = []
+    predicted = answered(predicted, ex, "predicted")
+    require(isinstance(predicted, dict), ex,
+            f"`predicted` is {_a(predicted)}: make it a dict {{B: rows}} with one entry per batch "
+            "size that reshapes, e.g. {B: ... for B in range(1, 101) if ...}")
+    per_image = cnn_flatten_size(IMAGE)
+    works = {}
     for b in range(1, 101):
         try:
-            torch.empty(b, 32, 14, 14).view(-1, 4608)
-            works.append(b)
+            works[b] = torch.empty(b, per_image).view(-1, 4608).shape[0]
         except RuntimeError:
             pass
     for b in works:
-        require(b in guess, ex, f"a batch of {b} reshapes without an error, but it is not in your list: "
-                                f"view(-1, 4608) only needs B × 6272 elements to be a multiple of 4608")
-    for b in sorted(guess):
-        require(b in works, ex, f"a batch of {b} fails ({b} × 6272 = {b * 6272} elements is not a multiple "
-                                f"of 4608); keep only the B for which B × 6272 % 4608 == 0")
-    passed(ex, f"view(-1, 4608) succeeds for exactly {len(works)} batch sizes of 1…100: "
-               + ", ".join(map(str, works)))
+        require(b in predicted, ex, f"a batch of {b} reshapes without an error, but it is not in your dict: "
+                                    f"view(-1, 4608) only needs B × {per_image} elements to be a multiple of 4608 "
+                                    f"({per_image} features per 64×64 image: cnn_flatten_size((3, 64, 64)))")
+    for b in sorted(predicted, key=str):
+        require(b in works, ex, f"predicted has a batch of {b!r}, which fails: keep only the B in 1…100 for which "
+                                f"B × {per_image} % 4608 == 0")
+    for b, rows in sorted(works.items()):
+        require(predicted[b] == rows, ex, f"a batch of {b} gives {rows} rows, you predicted {predicted[b]!r}: "
+                                          f"rows = B × {per_image} / 4608 (all the elements, 4608 per row)")
+    first, last = min(works), max(works)
+    passed(ex, f"view(-1, 4608) succeeds on 64×64 images for exactly {len(works)} batch sizes of 1…100 "
+               f"({first} → {works[first]} rows, …, {last} → {works[last]} rows), each with the rows predicted")
 
 
 # --- 06a.2: each rank its own share, a new order every epoch --------------------------------------
@@ -131,14 +152,31 @@ def global_ranks(path: str = "ex06a_rank.py") -> None:
                                     "counts the processes of all nodes, not the GPUs of its own node "
                                     "(the article's rank = gpu)") from None
     for rank, v in sorted(values.items()):
+        node, local = divmod(rank, RankExerciseConfig.gpus_per_node)
         require(v["claimed_rank"] == v["rank"] == rank, ex,
-                f"the process launched as rank {rank} claimed rank {v['claimed_rank']}")
-    for gpus in (1, 4):
-        for node in (0, 1):
-            for local in range(gpus):
-                got, want = fn(node, local, gpus), node * gpus + local
-                require(got == want, ex, f"global_rank({node}, {local}, {gpus}) returned {got}, not {want}: "
-                                         "use gpus_per_node rather than a fixed number")
+                f"the process launched as rank {rank} (node {node}, GPU {local}) claimed rank {v['claimed_rank']}: "
+                "ranks count node by node: all of node 0's processes first, then node 1's")
+    reads_rank = ("compute it from the three arguments (a real worker reads RANK; this function is "
+                  "checked on tables too)")
+    saved = os.environ.get("RANK")
+    os.environ["RANK"] = "97"  # a rank no table has: a function that reads RANK returns it
+    try:
+        for gpus in (1, 4):
+            for node in (0, 1):
+                for local in range(gpus):
+                    try:
+                        got = attempt(ex, fn, node, local, gpus)
+                    except ExerciseError as e:
+                        raise ExerciseError(ex, f"{e.hint}; {reads_rank}" if "RANK" in e.hint else e.hint) from e
+                    want = node * gpus + local
+                    require(str(got) != "97", ex, f"global_rank({node}, {local}, {gpus}) returned RANK: {reads_rank}")
+                    require(got == want, ex, f"global_rank({node}, {local}, {gpus}) returned {got}, not {want}: "
+                                             "use gpus_per_node rather than a fixed number")
+    finally:
+        if saved is None:
+            os.environ.pop("RANK")
+        else:
+            os.environ["RANK"] = saved
     passed(ex, "4 processes on 2 simulated nodes × 2 GPUs joined as ranks 0, 1, 2, 3, and the 2 × 1 "
                "and 2 × 4 tables are right")
 
@@ -186,8 +224,14 @@ def global_mean_loss(path: str = "ex06a_loss.py") -> None:
     """
     ex = "06a.4 global mean loss"
     function_from(path, "epoch_loss", ex)
-    result = run_ranks(ex, loss_worker, LossExerciseConfig(path=str(Path(path).resolve())), 2,
-                       name="epoch-loss")
+    try:
+        result = run_ranks(ex, loss_worker, LossExerciseConfig(path=str(Path(path).resolve())), 2,
+                           name="epoch-loss")
+    except RankFailed as failed:
+        if "device type cpu" in failed.hint.lower():  # NCCL (backend "auto" with a GPU per rank)
+            raise ExerciseError(ex, f"{failed.hint}: NCCL all-reduces CUDA tensors only; create the tensor "
+                                    "on ctx.device (torch.tensor(..., device=ctx.device))") from None
+        raise
     got = {r["rank"]: r["reported"] for r in runlog.of_kind(runlog.read_run(result.run_dir), "epoch_loss")}
     own = {r: batch_losses(r) for r in (0, 1)}
     reference = sum(own[0] + own[1]) / len(own[0] + own[1])  # one process, every batch

@@ -208,7 +208,8 @@ def worker(cfg: PipelineConfig) -> dict:
 
     Logs per step ``kind="train"`` (last stage: loss) and the :class:`Timeline` events; writes each
     stage's parameters to ``<run dir>/stage<s>.pt``. Returns {"stage", "losses", "peak_activation_bytes",
-    "step_times_s"}.
+    "step_times_s", "step_cpu_s", "step_wait_s"}: per step its wall time, the main thread's CPU time and
+    its time waiting for a core (:func:`~mgtutorial.timeline.thread_clock`; None off Linux), seconds.
 
     Raises:
         ValueError: see :func:`check_config` (before any work).
@@ -226,7 +227,7 @@ def worker(cfg: PipelineConfig) -> dict:
             # the library runs one extra forward per stage before its first step to infer shapes;
             # it is not part of the schedule, so the timeline leaves it out
             t.ignore_forwards = int(schedule is not None)
-        losses, peaks, times = [], [], []
+        losses, peaks, times, cpu, wait = [], [], [], [], []
         log.plan(steps=cfg.steps)
         for step, (x, y) in enumerate(batches(cfg), start=1):
             if s == cfg.fail_stage and step == 2:
@@ -234,7 +235,7 @@ def worker(cfg: PipelineConfig) -> dict:
             for t in timelines:
                 t.new_step(step)
             opt.zero_grad(set_to_none=True)
-            t0 = time.time()
+            t0, (c0, w0) = time.time(), T.thread_clock()
             with memory.saving():
                 if schedule is None:
                     loss = _hand_gpipe_step(modules[0], x, y, cfg, ctx)
@@ -242,6 +243,9 @@ def worker(cfg: PipelineConfig) -> dict:
                     loss = _library_step(schedule, x, y, cfg, ctx)
             opt.step()
             times.append(time.time() - t0)
+            c1, w1 = T.thread_clock()
+            cpu.append(c1 - c0)
+            wait.append(None if w0 is None else w1 - w0)
             peaks.append(memory.peak_bytes)
             if s == p - 1:
                 losses.append(loss)
@@ -249,7 +253,8 @@ def worker(cfg: PipelineConfig) -> dict:
         if cfg.save_params:
             for mod, i in zip(modules, ids):
                 torch.save(mod.state_dict(), runlog.run_dir() / f"stage{i}.pt")
-        return {"stage": s, "losses": losses, "peak_activation_bytes": max(peaks), "step_times_s": times}
+        return {"stage": s, "losses": losses, "peak_activation_bytes": max(peaks), "step_times_s": times,
+                "step_cpu_s": cpu, "step_wait_s": wait}
 
 
 def _library_step(schedule, x, y, cfg: PipelineConfig, ctx: env.DistContext) -> float | None:

@@ -9,6 +9,7 @@ Built on module hooks and ``torch.autograd.graph.saved_tensors_hooks``
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -45,8 +46,8 @@ class HandoffConfig:
     """Rows of the activation handed over (one micro-batch), one measurement per entry."""
     width: int = 1024
     """Columns of the activation (the layers' width), float32."""
-    reps: int = 20
-    """Round trips per size; the median of all but the first two is reported."""
+    reps: int = 60
+    """Round trips per size; the minimum of all but the first two is the floor reported."""
     backend: str = "auto"
     """"auto" | "gloo" | "nccl"."""
 
@@ -55,7 +56,8 @@ def handoff_worker(cfg: HandoffConfig) -> list[dict]:
     """The hand-off alone: rank 0 sends a ``(rows, width)`` activation, rank 1 receives it and sends it
     back (``dist.send``/``dist.recv``, what a pipeline does per micro-batch), nothing else running.
 
-    Returns ``[{"rows", "bytes", "handoff_ms"}]``, one per size: the median round trip / 2 (ms).
+    Returns ``[{"rows", "bytes", "handoff_ms", "median_ms"}]``, one per size: the fastest round trip / 2
+    (ms), the hand-off's floor when no other process takes the core, and the median round trip / 2.
     """
     with env.distributed(cfg.backend) as ctx:
         peer, out = 1 - ctx.rank, []
@@ -70,8 +72,21 @@ def handoff_worker(cfg: HandoffConfig) -> list[dict]:
                 else:
                     dist.recv(x, peer), dist.send(x, peer)
                 times.append((_synced(ctx.device) - t0) / 2)
-            out.append({"rows": rows, "bytes": x.numel() * x.element_size(), "handoff_ms": 1e3 * statistics.median(times[2:])})
+            out.append({"rows": rows, "bytes": x.numel() * x.element_size(), "handoff_ms": 1e3 * min(times[2:]),
+                        "median_ms": 1e3 * statistics.median(times[2:])})
         return out
+
+
+def thread_clock() -> tuple[float, float | None]:
+    """(CPU time, time spent runnable but waiting for a core) of the calling thread so far, seconds:
+    ``time.thread_time()`` and field 2 of Linux's ``/proc/self/task/<tid>/schedstat``; None where that
+    file does not exist (not Linux, or a kernel without scheduler statistics)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            wait = int(f.read().split()[1]) / 1e9
+    except OSError:
+        wait = None
+    return time.thread_time(), wait
 
 
 def _synced(device: torch.device) -> float:

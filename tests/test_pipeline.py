@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
 
@@ -111,6 +114,11 @@ def test_timeline_events_well_formed(schedule, runs, no_leftovers):
             assert by[("forward", 1, i)]["start"] >= by[("forward", 0, i)]["end"]
             assert by[("backward", 0, i)]["start"] >= by[("backward", 1, i)]["end"] - 1e-3
         assert 0 < T.bubble_measured(evs) < 1
+    for rank in range(p):  # one CPU time and one run-queue wait per step, from the main thread's clocks
+        v = res.values[rank]
+        assert len(v["step_times_s"]) == len(v["step_cpu_s"]) == len(v["step_wait_s"]) == cfg.steps
+        assert all(c > 0 for c in v["step_cpu_s"])
+        assert all(w is None or w >= 0 for w in v["step_wait_s"])
 
 
 @pytest.mark.timeout(120)
@@ -201,7 +209,19 @@ def test_handoff_worker_times_each_size(runs, no_leftovers):
     res = launch(T.handoff_worker, T.HandoffConfig(rows=[8, 2], width=16, reps=4), 2, runs_dir=runs).wait(timeout=40)
     for rank in (0, 1):
         assert [(h["rows"], h["bytes"]) for h in res.values[rank]] == [(8, 8 * 16 * 4), (2, 2 * 16 * 4)]
-        assert all(h["handoff_ms"] > 0 for h in res.values[rank])
+        assert all(0 < h["handoff_ms"] <= h["median_ms"] for h in res.values[rank])  # the floor: the minimum
+
+
+def test_thread_clock_counts_this_threads_cpu_and_run_queue_wait():
+    (c0, w0), x = T.thread_clock(), 0
+    for i in range(200_000):
+        x += i
+    c1, w1 = T.thread_clock()
+    assert c1 > c0
+    if os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
+        assert w0 is not None and w1 >= w0
+    else:
+        assert w0 is None and w1 is None
 
 
 @pytest.mark.timeout(60)

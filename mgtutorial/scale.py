@@ -204,7 +204,8 @@ class HangConfig:
     skip_step: int = 1
     """The step whose all-reduce ``skip_rank`` skips."""
     timeout_s: float = 5.0
-    """Collective timeout: how long a rank waits in a collective before it raises."""
+    """Collective timeout: how long a rank waits in a collective before it fails (on gloo the call
+    raises; on NCCL it has returned at once and the watchdog aborts the process: no TimeoutError)."""
     rank_work_s: float = 30.0
     """After its loop, ``skip_rank`` does rank-only work (sleeps) this long before leaving."""
     backend: str = "auto"
@@ -215,8 +216,10 @@ def hang_worker(cfg: HangConfig) -> dict:
     """Every rank all-reduces once per step, except ``skip_rank`` at ``skip_step`` — the classic bug
     of a collective inside ``if rank == …``. The others wait inside their all-reduce until
     ``timeout_s``, then fail with an error that names the collective, the step and the time waited:
-    ``TimeoutError`` if the collective timed out, else ``RuntimeError`` (a peer that left, or
-    DETAIL's mismatch report), the backend's error chained and quoted.
+    ``TimeoutError`` if the collective timed out (on gloo; or DETAIL's monitored barrier named ranks
+    that did not arrive in time), else ``RuntimeError`` (a peer that left, or DETAIL's mismatch
+    report), the backend's error chained and quoted. On NCCL without DETAIL the all-reduce returns at
+    once and the watchdog aborts the process at the timeout: no Python error is raised here.
 
     Collectives are matched by order, not by step: rank 1's step-2 call (3 elements) pairs with
     rank 0's step-1 call (2 elements). Such a mismatched pair is undefined behaviour: gloo may pair
@@ -235,7 +238,7 @@ def hang_worker(cfg: HangConfig) -> dict:
             try:
                 dist.all_reduce(torch.ones(step + 1, device=ctx.device))  # step s: s + 1 elements
             except Exception as exc:  # a timeout, a peer that left, or (DETAIL) a mismatch: say which
-                timed_out = "timed out" in str(exc).lower()
+                timed_out = any(w in str(exc).lower() for w in ("timed out", "failed to pass monitoredbarrier"))
                 raise (TimeoutError if timed_out else RuntimeError)(
                     f"all_reduce of step {step} on rank {ctx.rank} {'timed out' if timed_out else 'failed'} "
                     f"after {time.time() - t0:.1f} s (timeout {cfg.timeout_s:g} s): {type(exc).__name__}: {exc}"

@@ -94,6 +94,21 @@ def test_debug_detail_names_the_mismatch(runs, no_leftovers):
 
 
 @pytest.mark.timeout(60)
+def test_debug_detail_names_the_rank_that_never_arrives(runs, no_leftovers):
+    # rank 1 skips the last all-reduce and works alone: DETAIL's monitored barrier (the group's
+    # timeout) names it, and hang_worker reports that as a timeout
+    cfg = scale.HangConfig(skip_step=2, timeout_s=2, rank_work_s=20, backend="gloo")
+    run = launch(scale.hang_worker, cfg, 2, runs_dir=runs, extra_env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    try:
+        with pytest.raises(WorkerFailed, match=r"Ranks? 1 failed to pass monitoredBarrier in 2000 ms") as info:
+            run.wait(timeout=45)
+    finally:
+        run.stop()
+    assert (info.value.rank, info.value.exc_type) == (0, "TimeoutError"), info.value
+    assert "all_reduce of step 2 on rank 0 timed out after" in info.value.message, info.value.message
+
+
+@pytest.mark.timeout(60)
 def test_py_spy_shows_where_a_hung_rank_waits(runs, no_leftovers):
     run = launch(scale.hang_worker, scale.HangConfig(timeout_s=60, rank_work_s=60), 2, runs_dir=runs)
     try:
@@ -140,6 +155,22 @@ def test_sbatch_builds_srun_torchrun_command(tmp_path):
     bad = subprocess.run(["bash", str(ROOT / "scripts/slurm/ddp.sbatch")], env={"PATH": env["PATH"]},
                          capture_output=True, text=True, timeout=30)
     assert bad.returncode != 0 and "run this under sbatch" in bad.stderr
+
+
+@pytest.mark.parametrize("cpus, gpus, omp", [("16", "4", "4"), ("4", "8", "1"), ("6", "4", "1")])
+def test_sbatch_gives_each_rank_at_least_one_thread(tmp_path, cpus, gpus, omp):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, body in {"srun": 'echo "$OMP_NUM_THREADS"', "scontrol": 'printf "n1\\nn2\\n"'}.items():
+        (fake / name).write_text(f"#!/bin/sh\n{body}\n")
+        (fake / name).chmod(stat.S_IRWXU)
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", SLURM_NNODES="2", SLURM_JOB_ID="1",
+               SLURM_JOB_NODELIST="n[1-2]", SLURM_GPUS_ON_NODE=gpus, SLURM_CPUS_PER_TASK=cpus)
+    env.pop("OMP_NUM_THREADS", None)
+    out = subprocess.run(["bash", str(ROOT / "scripts/slurm/ddp.sbatch")], env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == omp  # the task's cores per rank, rounded down, and never 0
 
 
 # One rank of an attempt on a store that outlives it, as torchrun's rank-0 agent hosts it (c10d

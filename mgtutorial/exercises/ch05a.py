@@ -19,29 +19,31 @@ import subprocess
 import tempfile
 import threading
 import types
+from argparse import ArgumentError
 from pathlib import Path
 from unittest import mock
 
 from ._common import ExerciseError, answered, attempt, passed, require
 
-_LAYOUTS = ((2, 4), (3, 2), (1, 8), (4, 1))  # (nnodes, nproc_per_node)
+_LAYOUTS = ((4, 4), (2, 2, 2), (8,), (1, 1, 1, 1), (4, 2), (1, 3, 2))  # ranks per node, node by node
 
 
-def torchrun_ranks(nnodes: int, nproc_per_node: int) -> dict[int, list[dict]]:
+def torchrun_ranks(nprocs: tuple[int, ...]) -> dict[int, list[dict]]:
     """{node rank: [{"RANK", "LOCAL_RANK", "WORLD_SIZE"} per local rank]} as torchrun's agents assign
-    them: torch's ``SimpleElasticAgent._assign_worker_ranks``, one thread per agent, a ``HashStore``."""
+    them when node ``i`` runs ``nprocs[i]`` ranks: torch's ``SimpleElasticAgent._assign_worker_ranks``,
+    one thread per agent, a ``HashStore``."""
     import torch.distributed as dist
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
     store = dist.HashStore()
     store.set_timeout(datetime.timedelta(seconds=10))
-    spec = types.SimpleNamespace(role="default", local_world_size=nproc_per_node)
     out: dict[int, list] = {}
 
     def agent(group_rank: int) -> None:
-        out[group_rank] = SimpleElasticAgent._assign_worker_ranks(None, store, group_rank, nnodes, spec)
+        spec = types.SimpleNamespace(role="default", local_world_size=nprocs[group_rank])
+        out[group_rank] = SimpleElasticAgent._assign_worker_ranks(None, store, group_rank, len(nprocs), spec)
 
-    threads = [threading.Thread(target=agent, args=(g,), daemon=True) for g in range(nnodes)]
+    threads = [threading.Thread(target=agent, args=(g,), daemon=True) for g in range(len(nprocs))]
     for t in threads:
         t.start()
     for t in threads:
@@ -51,17 +53,18 @@ def torchrun_ranks(nnodes: int, nproc_per_node: int) -> dict[int, list[dict]]:
 
 
 def ranks_of(fn) -> None:
-    """05a.1: ``fn(node_rank, nproc_per_node, nnodes)`` returns that node's ranks as a list of dicts
-    ``{"RANK", "LOCAL_RANK", "WORLD_SIZE"}`` (ints), one per local rank, in local-rank order.
+    """05a.1: ``fn(node_rank, nprocs)`` (``nprocs[i]``: the ``--nproc-per-node`` of node ``i``, a list
+    of ints) returns node ``node_rank``'s ranks as a list of dicts ``{"RANK", "LOCAL_RANK",
+    "WORLD_SIZE"}`` (ints), one per local rank, in local-rank order.
 
-    Verified against torchrun's own assignment for 2×4, 3×2, 1×8 and 4×1 (nodes × ranks per node).
+    Verified against torchrun's own assignment for nodes of 4+4, 2+2+2, 8, 1+1+1+1, 4+2 and 1+3+2 ranks.
     """
     ex = "05a.1 ranks of a node"
-    for nnodes, per_node in _LAYOUTS:
-        truth = torchrun_ranks(nnodes, per_node)
-        for node in range(nnodes):
-            got = attempt(ex, fn, node, per_node, nnodes)
-            where = f"node {node} of a {nnodes}-node job with {per_node} rank(s) per node"
+    for nprocs in _LAYOUTS:
+        truth = torchrun_ranks(nprocs)
+        for node, per_node in enumerate(nprocs):
+            got = attempt(ex, fn, node, list(nprocs))
+            where = f"node {node} of a job with {'+'.join(map(str, nprocs))} ranks per node"
             require(isinstance(got, (list, tuple)) and len(got) == per_node, ex,
                     f"{where}: return a list of {per_node} dicts (one per local rank), not {got!r}")
             for want, row in zip(truth[node], got):
@@ -72,28 +75,41 @@ def ranks_of(fn) -> None:
                                   ("RANK", "global ranks continue where the nodes before this one stopped")):
                     require(row[key] == want[key], ex, f"{where}, local rank {want['LOCAL_RANK']}: "
                                                        f"torchrun sets {key}={want[key]}, you gave {row[key]}: {hint}")
-    passed(ex, "RANK, LOCAL_RANK and WORLD_SIZE match torchrun's for 2×4, 3×2, 1×8 and 4×1 nodes × ranks")
+    passed(ex, "RANK, LOCAL_RANK and WORLD_SIZE match torchrun's for 4+4, 2+2+2, 8, 1+1+1+1, 4+2 and 1+3+2 "
+               "ranks per node")
 
 
 def two_node_command(command) -> None:
     """05a.2: ``command`` (a list of strings, or one string) is the torchrun line that node 1 of a
     two-node job runs: 4 ranks per node, c10d rendezvous at ``node0:29500``, id ``job42``,
     ``python -m mgtutorial ddp --epochs 3``. Read with torchrun's own argument parser."""
-    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import get_args_parser, parse_min_max_nnodes
 
     ex = "05a.2 a two-node command"
     require(command is not ... and command, ex, "`command` is still empty: write the torchrun line")
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
     require(argv and Path(argv[0]).name == "torchrun", ex, f"the command starts with {argv[:1]}, not torchrun")
     parser = get_args_parser()
-    parser.exit_on_error = False
+    parser.prog, parser.exit_on_error = "torchrun", False
+
+    def refuse(message: str):  # argparse's errors, raised here instead of exiting
+        raise ExerciseError(ex, f"torchrun's parser refuses it ({message}): check the option names")
+
+    parser.error = refuse
     try:
-        args = parser.parse_args(argv[1:])
-    except (Exception, SystemExit) as e:
-        raise ExerciseError(ex, f"torchrun's parser refuses it ({e}): check the option names") from None
+        args, unknown = parser.parse_known_args(argv[1:])
+    except ArgumentError as e:
+        refuse(str(e))
+    # torchrun itself stops here ("unrecognized arguments"); argparse puts what follows in the script's place
+    require(not unknown, ex, f"torchrun has no option {' '.join(unknown)}: check the option names "
+                             f"(`torchrun --help`)")
     require(not args.standalone, ex, "--standalone makes a one-node job with a local rendezvous: "
                                      "every node must meet at node0:29500 instead")
-    checks = [(args.nnodes, "2", "--nnodes", "the job has 2 nodes"),
+    try:
+        nnodes = "2" if parse_min_max_nnodes(args.nnodes) == (2, 2) else args.nnodes  # "2" or "2:2"
+    except ValueError:
+        nnodes = args.nnodes
+    checks = [(nnodes, "2", "--nnodes", "the job has 2 nodes (2, or 2:2 as min:max)"),
               (args.nproc_per_node, "4", "--nproc-per-node", "4 ranks (one per GPU) on each node"),
               (args.rdzv_backend, "c10d", "--rdzv-backend", "the dynamic rendezvous is c10d"),
               (args.rdzv_endpoint, "node0:29500", "--rdzv-endpoint", "every node meets at node0:29500"),
@@ -107,7 +123,8 @@ def two_node_command(command) -> None:
             "torchrun must run the package as a module: `-m mgtutorial` before its arguments")
     require(args.training_script_args == ["ddp", "--epochs", "3"], ex,
             f"the worker's arguments are {args.training_script_args}, not ['ddp', '--epochs', '3']")
-    passed(ex, "torchrun's parser reads 2 nodes, 4 ranks each, c10d at node0:29500, id job42, -m mgtutorial ddp")
+    passed(ex, "torchrun's parser reads 2 nodes, 4 ranks each, c10d at node0:29500, id job42, -m mgtutorial ddp: "
+               "the same line on every node")
 
 
 def _sbatch() -> Path:
@@ -143,7 +160,7 @@ def sbatch_options(slurm: dict[str, str], hostnames: list[str]) -> dict[str, str
 _JOBS = (({"SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-a[17-18]",
            "SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_PER_TASK": "16"}, ["gpu-a17", "gpu-a18"]),
          ({"SLURM_NNODES": "3", "SLURM_JOB_ID": "977", "SLURM_JOB_NODELIST": "n[003-005]",
-           "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_PER_TASK": "64"}, ["n003", "n004", "n005"]))
+           "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_PER_TASK": "4"}, ["n003", "n004", "n005"]))  # < 1 core per rank
 
 
 def slurm_mapping(fn) -> None:
@@ -168,8 +185,8 @@ def slurm_mapping(fn) -> None:
 
 
 def agent_store(predicted: dict) -> None:
-    """05a.4: ``predicted[mode]["TORCHELASTIC_USE_AGENT_STORE"]`` (the string rank 1 sees) and
-    ``predicted[mode]["store host"]`` (``"agent"`` or ``"rank 0"``) for ``mode`` "default" and
+    """05a.4: ``predicted[mode]["TORCHELASTIC_USE_AGENT_STORE"]`` (the string rank 1 sees, None for
+    unset) and ``predicted[mode]["store host"]`` (``"agent"`` or ``"rank 0"``) for ``mode`` "default" and
     "disabled" (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents' environment).
 
     Runs both two-node jobs (``hello``, one rank per simulated node) at once and reads rank 1's
@@ -182,8 +199,11 @@ def agent_store(predicted: dict) -> None:
 
     ex = "05a.4 who hosts the store"
     for mode in ("default", "disabled"):
-        for key in ("TORCHELASTIC_USE_AGENT_STORE", "store host"):
-            answered((predicted.get(mode) or {}).get(key, ...), ex, f"predicted[{mode!r}][{key!r}]")
+        guess = predicted.get(mode) or {}
+        require(guess.get("TORCHELASTIC_USE_AGENT_STORE", ...) is not ..., ex,  # None is an answer: unset
+                f"`predicted[{mode!r}]['TORCHELASTIC_USE_AGENT_STORE']` is still `...`: replace it with "
+                f"the string rank 1 sees (None if you think it is unset)")
+        answered(guess.get("store host", ...), ex, f"predicted[{mode!r}]['store host']")
     runs = Path("runs/exercises").resolve()
     for mode in ("default", "disabled"):
         shutil.rmtree(runs / f"ex05a-store-{mode}", ignore_errors=True)
@@ -202,10 +222,11 @@ def agent_store(predicted: dict) -> None:
             for k, v in rec["env"].items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
             host = "agent" if rdzv._agent_store_serves(rec["env"]["MASTER_ADDR"], rec["env"]["MASTER_PORT"]) else "rank 0"
-        guess = predicted[mode]
-        require(str(guess["TORCHELASTIC_USE_AGENT_STORE"]) == str(seen), ex,
-                f"{mode}: rank 1 saw TORCHELASTIC_USE_AGENT_STORE={seen}, not {guess['TORCHELASTIC_USE_AGENT_STORE']}: "
-                f"read the rendezvous handler's use_agent_store (dynamic_rendezvous)")
+        guess, shown = predicted[mode], {None: "unset"}  # the variable's value, None: not set
+        value = guess["TORCHELASTIC_USE_AGENT_STORE"]
+        require((value is None) == (seen is None) and str(value) == str(seen), ex,
+                f"{mode}: rank 1 saw TORCHELASTIC_USE_AGENT_STORE {shown.get(seen, f'= {seen}')}, not "
+                f"{shown.get(value, f'= {value}')}: read the rendezvous handler's use_agent_store (dynamic_rendezvous)")
         require(guess["store host"] == host, ex,
                 f"{mode}: the store at MASTER_ADDR:MASTER_PORT is hosted by the {host}, not the {guess['store host']}: "
                 f"read torch.distributed.rendezvous._create_c10d_store")

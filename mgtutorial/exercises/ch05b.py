@@ -24,6 +24,7 @@ from ..run import WorkerFailed
 from ._common import ExerciseError, RankFailed, answered, function_from, passed, require, run_file
 
 STEPS, EVERY, FAIL_STEP = 12, 4, 10  # snapshots at steps 4 and 8; rank 1 is killed after step 10
+PROGRESS = ("epoch", "step", "batch", "samples")  # what ``restore`` returns, as save_checkpoint stores it
 
 
 def restore_config(checkpoint: str) -> ddp.DDPConfig:
@@ -36,14 +37,19 @@ def restore_config(checkpoint: str) -> ddp.DDPConfig:
 
 class RestoringTrainer(ddp.Trainer):
     """:class:`mgtutorial.ddp.Trainer` that resumes with the learner's
-    ``restore(path, model, optimizer, device) -> {"epoch", "step", "batch"}`` when a snapshot exists."""
+    ``restore(path, model, optimizer, device) -> {"epoch", "step", "batch", "samples"}`` when a
+    snapshot exists. Raises ValueError (in the rank) if the progress lacks one of those keys."""
 
     def __init__(self, *args, restore):
         super().__init__(*args)  # cfg.resume is False: the Trainer restored nothing itself
         if Path(self.cfg.checkpoint).exists():
             progress = restore(self.cfg.checkpoint, self.model, self.optimizer, self.ctx.device)
-            self.first_epoch, self.step, self.skip = (int(progress[k]) for k in ("epoch", "step", "batch"))
-            self.samples = self.first_samples = int(progress.get("samples", 0))
+            missing = [k for k in PROGRESS if k not in (progress if isinstance(progress, dict) else {})]
+            if missing:
+                raise ValueError(f"restore returned {progress!r}, without {missing}: return the progress "
+                                 f"the snapshot holds, a dict with {list(PROGRESS)}")
+            self.first_epoch, self.step, self.skip, self.samples = (int(progress[k]) for k in PROGRESS)
+            self.first_samples = self.samples
             self.log.resume(step=self.step, epoch=self.first_epoch, batch=self.skip, attempt=self.attempt)
 
 
@@ -75,11 +81,12 @@ def _last_error(output: str) -> str:
 def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exercises") -> None:
     """05b.1: ``restore(path, model, optimizer, device)`` in the file ``path`` loads a snapshot of
     :func:`mgtutorial.checkpoint.save_checkpoint` into the (DDP) model and the optimizer and returns
-    its progress ``{"epoch", "step", "batch"}`` (ints).
+    its progress ``{"epoch", "step", "batch", "samples"}`` (ints).
 
     Runs ``torchrun --max-restarts 1`` with rank 1 killed after step 10, then verifies from the
-    records that both restarted ranks resumed at the last snapshot (step 8), trained steps 9 … 12,
-    and that the final parameters equal a single process trained on the combined batches.
+    records that both restarted ranks resumed at the last snapshot (step 8, its batch), counted the
+    samples of the steps trained twice as the first attempt did, trained steps 9 … 12, and that the
+    final parameters equal a single process trained on the combined batches.
     """
     import torch
 
@@ -104,21 +111,33 @@ def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exer
     resumes = [rec for rec in recs if rec["kind"] == "resume"]
     require(resumes, ex, "the restarted ranks logged no resume: did the snapshot file exist?")
     t_resume = min(rec["time"] for rec in resumes)
-    snaps = [rec["step"] for rec in recs if rec["kind"] == "checkpoint" and rec["time"] < t_resume]
+    snaps = [rec for rec in recs if rec["kind"] == "checkpoint" and rec["time"] < t_resume]
+    last = snaps[-1]["step"]
     for rec in resumes:
-        require(rec["step"] == snaps[-1], ex,
+        require(rec["step"] == last, ex,
                 f"rank {rec['rank']} resumed at step {rec['step']}, but the last snapshot before the kill was "
-                f"taken at step {snaps[-1]}: return the progress the snapshot holds (its 'epoch', 'step', 'batch')")
-    redone = sorted({rec["step"] for rec in recs if rec["kind"] == "train" and rec["time"] > t_resume})
-    require(redone == list(range(snaps[-1] + 1, STEPS + 1)), ex,
-            f"after the restart the ranks trained steps {redone}, not {snaps[-1] + 1} … {STEPS}: "
+                f"taken at step {last}: return the progress the snapshot holds (its {', '.join(PROGRESS)})")
+        require(rec["batch"] == snaps[-1]["batch"], ex,
+                f"rank {rec['rank']} resumed at batch {rec['batch']} of the epoch, but the snapshot of step "
+                f"{last} was taken after batch {snaps[-1]['batch']}: 'batch' says how many batches of the "
+                f"epoch are done")
+    train = [rec for rec in recs if rec["kind"] == "train"]
+    first = {(rec["rank"], rec["step"]): rec["samples"] for rec in train if rec["time"] < t_resume}
+    for rec in (rec for rec in train if rec["time"] > t_resume and (rec["rank"], rec["step"]) in first):
+        require(rec["samples"] == first[rec["rank"], rec["step"]], ex,
+                f"after the restart rank {rec['rank']} logged {rec['samples']} samples at step {rec['step']}, "
+                f"the first attempt {first[rec['rank'], rec['step']]}: 'samples' counts the samples this "
+                f"rank trained before the snapshot")
+    redone = sorted({rec["step"] for rec in train if rec["time"] > t_resume})
+    require(redone == list(range(last + 1, STEPS + 1)), ex,
+            f"after the restart the ranks trained steps {redone}, not {last + 1} … {STEPS}: "
             f"the 'batch' of the progress says how many batches of the epoch are done")
     final = torch.load(ckpt, map_location="cpu", weights_only=True)
     reference = ddp.combined_batch_reference(dataclasses.replace(restore_config(str(ckpt)), fail_rank=-1), 2)
     diff = ddp.max_param_diff(reference, final["model"])
     require(diff < 1e-5, ex, f"after step {final['step']} the parameters differ from an uninterrupted run's by "
                              f"{diff:.1e}: restore the optimizer's state too (SGD's momentum buffers)")
-    passed(ex, f"rank 1 killed after step {FAIL_STEP}, both ranks resumed at step {snaps[-1]}, and the "
+    passed(ex, f"rank 1 killed after step {FAIL_STEP}, both ranks resumed at step {last}, and the "
                f"parameters after step {STEPS} equal an uninterrupted run's")
 
 

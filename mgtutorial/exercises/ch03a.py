@@ -251,11 +251,19 @@ def overlap_worker(cfg: FileConfig) -> dict:
 
         dist.barrier()
         if ctx.rank == ctx.world_size - 1:
-            with contextlib.suppress(dist.DistStoreError):  # compute() did not run: go anyway
-                store.wait(["computed0"], timedelta(seconds=cfg.head_start_s))
+            for key, wait_s in (("computed0", cfg.head_start_s), ("returned0", 0.5)):
+                # after rank 0's compute(), and after rank 0 returned if it returns without waiting
+                with contextlib.suppress(dist.DistStoreError):  # it did not: go anyway
+                    store.wait([key], timedelta(seconds=wait_s))
         with patched([], ("all_reduce",)) as calls:
             fn(t, compute)
-        return {"result": t.tolist(), "calls": len(calls), **seen}
+        result = t.tolist()  # what the function left in t when it returned
+        if ctx.rank == 0:
+            store.set("returned0", "1")
+        for call in calls:  # an all-reduce left in flight must finish before the group goes
+            if call[3] is not None:
+                call[3].wait()
+        return {"result": result, "calls": len(calls), **seen}
 
 
 def overlap(path: str = "ex03a_overlap.py") -> None:

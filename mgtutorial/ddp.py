@@ -66,7 +66,7 @@ class DDPConfig:
     evaluate: bool = True
     """Measure test-set accuracy at the end of each epoch."""
     tf32: bool = True
-    """False: no TF32 on GPUs (torch lets cuDNN convolutions use it), for exact comparisons; CPU: no effect."""
+    """True: torch's defaults (TF32 in cuDNN only, not in matmuls); False: full float32 on GPUs; CPU: no effect."""
     fail_rank: int = -1
     """Fault injection for the lessons and tests: this rank fails …"""
     fail_step: int = -1
@@ -101,8 +101,7 @@ def rank_loader(train_set, cfg: DDPConfig, rank: int, world_size: int, epoch: in
     return loader
 
 
-def log_step(log: runlog.RunLog, ctx: env.DistContext, *, step: int, epoch: int, loss: float,
-             samples: int) -> dict:
+def log_step(log: runlog.RunLog, ctx: env.DistContext, *, step: int, epoch: int, loss: float, samples: int) -> dict:
     """Log one training step: this rank's ``loss`` and ``global_loss``, its all-reduced mean.
     Every rank must call it at every step (``global_loss`` is a collective)."""
     return log.train(step=step, epoch=epoch, loss=loss, global_loss=env.global_mean(loss, ctx), samples=samples)
@@ -127,8 +126,9 @@ def build(cfg: DDPConfig, ctx: env.DistContext, wrap=apply_ddp, model_cls=models
     builds it (default the article's CNN).
     """
     env.seed_everything(cfg.seed)
-    if not cfg.tf32:  # cuDNN's convolutions may use TF32 unless told not to (torch's default)
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    if not cfg.tf32:  # newer API: conv and rnn together, as the legacy cudnn.allow_tf32 did
+        cudnn, cuda = torch.backends.cudnn, torch.backends.cuda
+        cudnn.conv.fp32_precision = cudnn.rnn.fp32_precision = cuda.matmul.fp32_precision = "ieee"
     train_set, test_set = data.load_dataset(cfg.dataset, cfg.data_root, cfg.download, seed=cfg.seed)
     in_shape = tuple(train_set[0][0].shape)
     model = wrap(model_cls(in_shape=in_shape), ctx)

@@ -175,8 +175,8 @@ def run_file(exercise: str, path: str | Path, function: str, nprocs: int = 2, *,
              options: dict | None = None, timeout_s: float = 60.0, **launch_kw):
     """Run the learner's ``function`` from the file ``path`` on ``nprocs`` ranks; return the RunResult.
 
-    The file is imported here first, so a missing file, a syntax error or a missing function is
-    reported before any rank starts. A failing rank becomes an :class:`ExerciseError` (see
+    The file is imported in the notebook kernel first, so its top-level code runs there too; a missing
+    file, a syntax error or a missing function is reported before any rank starts. A failing rank becomes an :class:`ExerciseError` (see
     :func:`run_ranks`).
     """
     function_from(path, function, exercise)

@@ -1,12 +1,17 @@
 """Checkers of chapter 00's exercises (notebooks/00_setup.ipynb): the sum of ranks, the default
-number of ranks, a worker of your own in a file, and which rank a failure names."""
+number of ranks, a worker of your own in a file (an all-reduced MAX), and which rank a failure names."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import uuid
+from pathlib import Path
 from unittest import mock
 
-from .. import env
-from ._common import ExerciseError, RankFailed, answered, passed, require, run_file, run_ranks
+from .. import env, runlog
+from ._common import (ExerciseError, FileWorkerConfig, RankFailed, answered, file_worker, function_from, passed,
+                      require, run_file, run_ranks)
 
 
 def rank_sums(predicted: dict) -> None:
@@ -35,32 +40,63 @@ def default_nprocs(predicted: dict) -> None:
     passed(ex, "0, 1, 2, 8 GPUs give 2, 2, 2, 8 ranks")
 
 
-def max_rank(path: str = "ex00_worker.py") -> None:
-    """00.3: ``my_hello(cfg)`` in ``path`` returns ``{"rank", "max_rank"}`` with an all-reduced MAX."""
+VALUES = (5, 9, 2)  # 00.3: rank r contributes VALUES[r]
+
+
+def _own_value_worker(cfg: FileWorkerConfig):
+    """Rank-side (00.3): give the learner's function only this rank's value, ``cfg.options["value"]``."""
+    rank = int(os.environ["RANK"])
+    return file_worker(dataclasses.replace(cfg, options={"value": cfg.options["values"][rank]}))
+
+
+def max_value(path: str = "ex00_worker.py") -> None:
+    """00.3: ``my_hello(cfg)`` in ``path`` returns ``{"rank": int, "max": int}``, ``max`` being the
+    all-reduced MAX of every rank's ``cfg.options["value"]`` (5, 9 and 2 on ranks 0, 1 and 2).
+
+    Runs 3 ranks; each sees only its own value, so the largest can only come from a collective.
+    """
     ex = "00.3 your own worker"
-    values = run_file(ex, path, "my_hello", 2).values
+    function_from(path, "my_hello", ex)  # a missing file or function is named before any rank starts
+    cfg = FileWorkerConfig(path=str(Path(path).resolve()), function="my_hello", options={"values": list(VALUES)})
+    values = run_ranks(ex, _own_value_worker, cfg, len(VALUES), timeout_s=20, name=Path(path).stem).values
     for rank, value in sorted(values.items()):
-        require(isinstance(value, dict) and {"rank", "max_rank"} <= set(value), ex,
-                f"rank {rank} returned {value!r}: return a dict with 'rank' and 'max_rank'")
+        require(isinstance(value, dict) and {"rank", "max"} <= set(value), ex,
+                f"rank {rank} returned {value!r}: return a dict with 'rank' and 'max'")
         require(value["rank"] == rank, ex, f"rank {rank} reported rank {value['rank']}: use ctx.rank")
-        require(value["max_rank"] == len(values) - 1, ex,
-                f"rank {rank} reported max_rank {value['max_rank']}, but the largest rank is "
-                f"{len(values) - 1}: all-reduce a tensor with op=dist.ReduceOp.MAX")
-    passed(ex, "2 ranks ran my_hello from your file and both received max_rank 1")
+        got, own = value["max"], VALUES[rank]
+        require(got != sum(VALUES), ex, f"rank {rank} received {got}, the sum of {list(VALUES)}: you summed, "
+                                        "pass op=dist.ReduceOp.MAX to dist.all_reduce")
+        require(got != own or own == max(VALUES), ex,
+                f"rank {rank} reported its own value {own}: no collective ran. Put it in a tensor and "
+                "dist.all_reduce it with op=dist.ReduceOp.MAX")
+        require(got == max(VALUES), ex, f"rank {rank} reported max {got}, but the largest of "
+                                        f"{list(VALUES)} is {max(VALUES)}: all-reduce with op=dist.ReduceOp.MAX")
+    passed(ex, f"3 ranks ran my_hello from your file; their values {', '.join(map(str, VALUES))} "
+               f"all-reduced to {max(VALUES)} on every rank")
 
 
 def failing_rank(path: str = "ex00_fail.py", predicted_rank=...) -> None:
-    """00.4: ``worker(cfg)`` in ``path`` raises ``ValueError`` on rank 1 only; predict the rank named."""
+    """00.4: ``worker(cfg)`` in ``path`` raises ``ValueError`` on rank 1 only; predict the rank named.
+
+    Also reads rank 0's ``rank0.error.json`` (see :func:`mgtutorial.run.root_cause`): rank 0 may
+    record an error of its own only as a consequence (``secondary``) of rank 1's."""
     ex = "00.4 a failing rank"
     guess = answered(predicted_rank, ex, "predicted_rank")
+    name = f"{Path(path).stem}-{uuid.uuid4().hex[:6]}"  # a name of its own, to find the run's folder
     try:
-        run_file(ex, path, "worker", 2, timeout_s=30)
+        run_file(ex, path, "worker", 2, timeout_s=30, name=name)
     except RankFailed as e:
         require(e.exc_type == "ValueError", ex, f"a rank failed, but not with ValueError: {e.hint}")
         named = e.rank
     else:
         raise ExerciseError(ex, "every rank finished: raise ValueError on rank 1 (if ctx.rank == 1: …)")
+    run_dir = max(Path("runs/exercises").glob(f"{name}-*"))
+    rank0 = runlog.read_json(runlog.rank_file(run_dir, 0, "error.json"))
     require(named == 1, ex, f"rank {named} failed: only rank 1 should raise")
+    require(not rank0 or rank0["secondary"], ex, f"rank 0 raised {rank0 and rank0['type']} itself: only "
+                                                 "rank 1 should raise (if ctx.rank == 1: …)")
     require(guess == named, ex, f"the error names rank {named}, you predicted {guess}: launch names the "
-                                "rank whose error came first, not the ranks stopped because of it")
-    passed(ex, "rank 1 raised ValueError, launch named rank 1, and the other rank was stopped")
+                                "rank whose error came first, not the ranks that failed or were stopped "
+                                "because of it")
+    passed(ex, "rank 1 raised ValueError, launch named rank 1; " + (
+        "rank 0's own error was marked as a consequence" if rank0 else "rank 0 was stopped"))

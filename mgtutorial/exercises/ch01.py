@@ -116,7 +116,8 @@ def training_step(train_step: Callable, steps: int = 3) -> None:
         if _max_diff(mine, ref) <= 1e-6:
             continue
         require(ddp.max_param_diff(mine, start) > 0, ex, "the weights did not change: call optimizer.step() "
-                                                         "after loss.backward()")
+                                                         "after loss.backward(), or is zero_grad() between "
+                                                         "backward() and step() clearing the gradients?")
         require(step > 1, ex, "after the first step your weights differ from the Trainer's: the order is "
                               "zero_grad, forward, loss, backward, step")
         raise ExerciseError(ex, f"the first step matches the Trainer's, step {step} does not: the gradients "
@@ -149,6 +150,4 @@ def learning_rates(order: list, lrs=(0.001, 0.01, 0.05), max_steps: int = 45) ->
         require(g == t, ex, f"order[{i}] is {g}, but lr={t} gave the {place} mean loss. Too "
                             "small a step moves slowly; too large a step overshoots, and a loss above "
                             f"ln 10 ≈ {chance:.2f} is worse than a uniform guess over the 10 labels")
-    diverged = [lr for lr in lrs if mean_loss[lr] > chance]
-    passed(ex, f"over {max_steps} steps lr={truth[0]} trained best, then lr={truth[1]}, then lr={truth[2]}"
-               + (f"; lr={diverged[0]} did worse than a uniform guess" if diverged else ""))
+    passed(ex, f"over {max_steps} steps lr={truth[0]} trained best, then lr={truth[1]}, then lr={truth[2]}")

@@ -17,13 +17,14 @@ from ._common import ExerciseError, answered, attempt, close, passed, require, r
 
 
 def failing_rank(cfg: ddp.DDPConfig, predicted: dict) -> None:
-    """02.1: ``cfg`` makes rank 1 fail at step 5 (``fail_rank``, ``fail_step``); ``predicted["rank"]``
-    is the rank the error names and ``predicted["steps_logged"]`` the number of steps rank 0's log
-    holds when the job stops. Launches ``ddp.worker`` on 2 ranks and reads the run's logs."""
+    """02.1: ``cfg`` makes rank 1 fail with ``fail_rank=1, fail_step=5``: after 5 completed, logged steps,
+    before step 6. ``predicted["rank"]`` is the rank the error names and ``predicted["steps_logged"]``
+    the number of steps rank 0's log holds when the job stops. Launches ``ddp.worker`` on 2 ranks and reads the run's logs."""
     ex = "02.1 a failing rank"
     guess = {k: answered(predicted.get(k), ex, f"predicted[{k!r}]") for k in ("rank", "steps_logged")}
     require((cfg.fail_rank, cfg.fail_step) == (1, 5), ex, f"cfg has fail_rank={cfg.fail_rank}, fail_step="
-                                                         f"{cfg.fail_step}: make rank 1 fail at step 5")
+                                                         f"{cfg.fail_step}: set fail_rank=1, fail_step=5 (rank 1 "
+                                                         "then raises after 5 completed, logged steps, before step 6)")
     run = launch(ddp.worker, cfg, 2, runs_dir="runs/exercises", name="ex02_fail")
     try:
         run.wait(timeout=60)
@@ -42,7 +43,8 @@ def failing_rank(cfg: ddp.DDPConfig, predicted: dict) -> None:
             f"rank 0 logged {logged} steps, you predicted {guess['steps_logged']}: every logged step ends "
             "in an all-reduce (the global loss), so no rank can log a step that the other did not")
     err = Path(failed.log_path).read_text().strip().splitlines()[-1]
-    passed(ex, f"rank {failed.rank} failed, rank 0 logged {logged} steps and was stopped; rank"
+    passed(ex, f"rank {failed.rank} failed; rank 0 logged {logged} steps, then failed in its next collective "
+               f"(gloo) or was stopped (NCCL) because of it; rank"
                f"{failed.rank}.err ends with '{err}'")
 
 
@@ -64,7 +66,7 @@ def sampler_shares(path: str = "ex02_sampler.py", epochs: int = 2) -> None:
     set. Runs on 2 ranks; compared with DistributedSampler(shuffle=True, seed=0) built here."""
     ex = "02.2 the sampler's shares"
     n = len(data.load_digits()[0])
-    values = run_file(ex, path, "draw_indices", 2).values
+    values = run_file(ex, path, "draw_indices", 2, timeout_s=20).values
     for rank, drawn in sorted(values.items()):
         require(isinstance(drawn, list) and len(drawn) == epochs and all(isinstance(e, list) for e in drawn),
                 ex, f"rank {rank} returned {type(drawn).__name__}: return one list of indices per epoch")
@@ -74,6 +76,10 @@ def sampler_shares(path: str = "ex02_sampler.py", epochs: int = 2) -> None:
             f"together the ranks drew {len(set(a[0]) | set(b[0]))} of the {n} samples: did you pass "
             "`num_replicas` (the world size) to the sampler?")
     for rank, drawn in sorted(values.items()):
+        unshuffled = list(DistributedSampler(range(n), num_replicas=2, rank=rank, shuffle=False))
+        require(drawn[0] != unshuffled, ex, f"rank {rank} drew the indices in order, every second one from "
+                                            f"{rank} ([{rank}::2]): the sampler does not shuffle; keep "
+                                            "shuffle=True (its default)")
         require(drawn[1] != drawn[0], ex, f"rank {rank} drew the same order in epoch 1 as in epoch 0: call "
                                           "sampler.set_epoch(epoch) before drawing each epoch")
     reference = _reference_indices(n, 2, epochs)

@@ -2,20 +2,16 @@
 after a rank is killed, a collective only one rank calls found with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``,
 and what a rank that skips the last collective looks like with and without DETAIL.
 
-05b.1 runs under ``torchrun --standalone --max-restarts 1`` (a free port, chosen by the operating
-system; every agent and rank is ended when the checker returns). Its ranks run this module::
-
-    torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m mgtutorial.exercises.ch05b \\
-        --path ex05b_restore.py --checkpoint runs/x.pt --run-dir runs/x
+05b.1 replays the elastic restart of the chapter's section 1 with :func:`mgtutorial.launch` (warm
+ranks, seconds instead of torchrun's fresh interpreters): attempt 0, in which rank 1 SIGKILLs itself,
+then attempt 1 with ``TORCHELASTIC_RESTART_COUNT=1``, resuming from the same snapshot file, as
+``torchrun --max-restarts 1`` would start it.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import re
-import shutil
 from pathlib import Path
 
 from .. import ddp, env, runlog, scale
@@ -27,12 +23,20 @@ STEPS, EVERY, FAIL_STEP = 12, 4, 10  # snapshots at steps 4 and 8; rank 1 is kil
 PROGRESS = ("epoch", "step", "batch", "samples")  # what ``restore`` returns, as save_checkpoint stores it
 
 
-def restore_config(checkpoint: str) -> ddp.DDPConfig:
+@dataclasses.dataclass(kw_only=True)
+class RestoreConfig(ddp.DDPConfig):
+    """:class:`mgtutorial.ddp.DDPConfig` of 05b.1's ranks, with the learner's file."""
+
+    path: str = ""
+    """The file holding ``restore(path, model, optimizer, device)`` (imported in each rank)."""
+
+
+def restore_config(checkpoint: str, path: str = "") -> RestoreConfig:
     """Chapter 02's tiny job of 05b (digits, ``STEPS`` steps), a snapshot every ``EVERY`` steps and
     rank 1 SIGKILL-ed after step ``FAIL_STEP`` of the first attempt."""
-    return ddp.DDPConfig(dataset="digits", epochs=1, max_steps=STEPS, evaluate=False, backend="gloo",
+    return RestoreConfig(dataset="digits", epochs=1, max_steps=STEPS, evaluate=False, backend="gloo",
                          checkpoint=checkpoint, checkpoint_every=EVERY, fail_rank=1, fail_step=FAIL_STEP,
-                         fail_how="sigkill", timeout_s=30)
+                         fail_how="sigkill", timeout_s=30, path=path)
 
 
 class RestoringTrainer(ddp.Trainer):
@@ -53,29 +57,30 @@ class RestoringTrainer(ddp.Trainer):
             self.log.resume(step=self.step, epoch=self.first_epoch, batch=self.skip, attempt=self.attempt)
 
 
-def restore_worker(cfg: ddp.DDPConfig, path: str) -> dict:
-    """One rank of 05b.1: chapter 02's training, resumed by ``restore`` from the file ``path``."""
-    restore = function_from(path, "restore", "05b.1")
+def restore_worker(cfg: RestoreConfig) -> dict:
+    """One rank of 05b.1: chapter 02's training, resumed by ``restore`` from the file ``cfg.path``."""
+    restore = function_from(cfg.path, "restore", "05b.1")
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
         model, train_set, test_set, optimizer = ddp.build(cfg, ctx)
         return RestoringTrainer(model, train_set, test_set, optimizer, ctx, cfg, restore=restore).train()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """A rank under torchrun: ``--path`` (the learner's file), ``--checkpoint``, ``--run-dir``."""
-    p = argparse.ArgumentParser(prog="python -m mgtutorial.exercises.ch05b")
-    for option in ("--path", "--checkpoint", "--run-dir"):
-        p.add_argument(option, required=True)
-    args = p.parse_args(argv)
-    os.environ[runlog.RUN_DIR_ENV] = args.run_dir
-    Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-    restore_worker(restore_config(args.checkpoint), args.path)
-    return 0
-
-
-def _last_error(output: str) -> str:
-    lines = [line for line in scale.clean(output).splitlines() if re.match(r"(\[rank\d+\]: )?\w+(Error|Exception): ", line)]
-    return scale.short(lines[-1]) if lines else "no error message (see the agent's log)"
+def _attempt(ex: str, cfg: RestoreConfig, runs_dir: str, restart: int) -> tuple[list[dict], WorkerFailed | None]:
+    """Run attempt ``restart`` of 05b.1's job (2 ranks); return its records and its failure, if any.
+    Every rank is ended before it returns."""
+    run = launch(restore_worker, cfg, 2, runs_dir=runs_dir, name=f"ex05b-restore-attempt{restart}",
+                 extra_env={"TORCHELASTIC_RESTART_COUNT": str(restart)})
+    failure = None
+    try:
+        run.wait(timeout=120)
+    except WorkerFailed as e:
+        failure = e
+    except TimeoutError:
+        raise ExerciseError(ex, f"attempt {restart} did not finish within 120 s (stopped): does `restore` "
+                                f"block, or load a file other than `path`?") from None
+    finally:
+        run.stop()
+    return sorted(runlog.read_run(run.run_dir), key=lambda rec: rec["time"]), failure
 
 
 def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exercises") -> None:
@@ -83,35 +88,31 @@ def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exer
     :func:`mgtutorial.checkpoint.save_checkpoint` into the (DDP) model and the optimizer and returns
     its progress ``{"epoch", "step", "batch", "samples"}`` (ints).
 
-    Runs ``torchrun --max-restarts 1`` with rank 1 killed after step 10, then verifies from the
-    records that both restarted ranks resumed at the last snapshot (step 8, its batch), counted the
-    samples of the steps trained twice as the first attempt did, trained steps 9 … 12, and that the
-    final parameters equal a single process trained on the combined batches.
+    Replays ``torchrun --max-restarts 1`` with :func:`mgtutorial.launch`: attempt 0 with rank 1
+    killed after step 10, then attempt 1 (``TORCHELASTIC_RESTART_COUNT=1``) on the same snapshot
+    file. Verifies from the records that both restarted ranks resumed at the last snapshot (step 8,
+    its batch), counted the samples of the steps trained twice as the first attempt did, trained
+    steps 9 … 12, and that the final parameters equal a single process trained on the combined batches.
     """
     import torch
 
     ex = "05b.1 resume after a kill"
     function_from(path, "restore", ex)  # a missing file or a syntax error, before anything starts
-    run_dir = Path(runs_dir).resolve() / "ex05b-restore"
-    ckpt = run_dir.with_suffix(".pt")
-    shutil.rmtree(run_dir, ignore_errors=True)
+    ckpt = Path(runs_dir).resolve() / "ex05b-restore.pt"
     ckpt.unlink(missing_ok=True)
-    cmd = [scale.torchrun_executable(), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-           "-m", __name__, "--path", str(Path(path).resolve()), "--checkpoint", str(ckpt), "--run-dir", str(run_dir)]
-    with scale.Agents([cmd], run_dir.with_name("ex05b-restore-agent")) as agents:
-        try:
-            code = agents.wait(timeout=180)[0]
-        except TimeoutError:
-            raise ExerciseError(ex, "torchrun did not finish within 180 s (stopped): does `restore` "
-                                    "block, or load a file other than `path`?") from None
-        output = agents.output(0)
-    require(code == 0, ex, f"the job failed after its restart (torchrun exit code {code}); the last "
-                           f"error: {_last_error(output)}: look at `restore` in {Path(path).name}")
-    recs = sorted(runlog.read_run(run_dir), key=lambda rec: rec["time"])
-    resumes = [rec for rec in recs if rec["kind"] == "resume"]
+    cfg = restore_config(str(ckpt), str(Path(path).resolve()))
+    before, killed = _attempt(ex, cfg, runs_dir, 0)
+    steps = {rec["step"] for rec in before if rec["kind"] == "train" and rec["rank"] == 1}
+    require(killed is not None and killed.rank == 1 and max(steps, default=0) == FAIL_STEP, ex,
+            f"attempt 0 did not end with rank 1 killed after step {FAIL_STEP} (its steps: {sorted(steps)}; "
+            f"{killed or 'no failure'}): is DDPConfig's fault injection unchanged in mgtutorial.ddp?")
+    after, failure = _attempt(ex, cfg, runs_dir, 1)
+    require(failure is None, ex, f"attempt 1 (the restart) failed: rank {failure and failure.rank} raised "
+                                 f"{failure and failure.exc_type}: {failure and scale.short(failure.message)}: "
+                                 f"look at `restore` in {Path(path).name}")
+    resumes = [rec for rec in after if rec["kind"] == "resume"]
     require(resumes, ex, "the restarted ranks logged no resume: did the snapshot file exist?")
-    t_resume = min(rec["time"] for rec in resumes)
-    snaps = [rec for rec in recs if rec["kind"] == "checkpoint" and rec["time"] < t_resume]
+    snaps = [rec for rec in before if rec["kind"] == "checkpoint"]
     last = snaps[-1]["step"]
     for rec in resumes:
         require(rec["step"] == last, ex,
@@ -121,19 +122,19 @@ def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exer
                 f"rank {rec['rank']} resumed at batch {rec['batch']} of the epoch, but the snapshot of step "
                 f"{last} was taken after batch {snaps[-1]['batch']}: 'batch' says how many batches of the "
                 f"epoch are done")
-    train = [rec for rec in recs if rec["kind"] == "train"]
-    first = {(rec["rank"], rec["step"]): rec["samples"] for rec in train if rec["time"] < t_resume}
-    for rec in (rec for rec in train if rec["time"] > t_resume and (rec["rank"], rec["step"]) in first):
+    first = {(rec["rank"], rec["step"]): rec["samples"] for rec in before if rec["kind"] == "train"}
+    train = [rec for rec in after if rec["kind"] == "train"]
+    for rec in (rec for rec in train if (rec["rank"], rec["step"]) in first):
         require(rec["samples"] == first[rec["rank"], rec["step"]], ex,
                 f"after the restart rank {rec['rank']} logged {rec['samples']} samples at step {rec['step']}, "
                 f"the first attempt {first[rec['rank'], rec['step']]}: 'samples' counts the samples this "
                 f"rank trained before the snapshot")
-    redone = sorted({rec["step"] for rec in train if rec["time"] > t_resume})
+    redone = sorted({rec["step"] for rec in train})
     require(redone == list(range(last + 1, STEPS + 1)), ex,
             f"after the restart the ranks trained steps {redone}, not {last + 1} … {STEPS}: "
             f"the 'batch' of the progress says how many batches of the epoch are done")
     final = torch.load(ckpt, map_location="cpu", weights_only=True)
-    reference = ddp.combined_batch_reference(dataclasses.replace(restore_config(str(ckpt)), fail_rank=-1), 2)
+    reference = ddp.combined_batch_reference(dataclasses.replace(cfg, fail_rank=-1), 2)
     diff = ddp.max_param_diff(reference, final["model"])
     require(diff < 1e-5, ex, f"after step {final['step']} the parameters differ from an uninterrupted run's by "
                              f"{diff:.1e}: restore the optimizer's state too (SGD's momentum buffers)")
@@ -213,9 +214,3 @@ def last_step_skipped(predicted: dict) -> None:
     passed(ex, f"rank {plain.rank} failed with {plain.exc_type}, and DETAIL named rank {named} as the one "
                f"that never arrived")
 
-
-if __name__ == "__main__":
-    code = main()
-    from .._rank import exit_now
-
-    exit_now(code)  # one rank under torchrun: leave without C++ teardown, which can abort a finished rank

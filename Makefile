@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,e2e]"
 	@touch $(STAMP)
 
+# NOTEBOOKS=student opens the student edition (make student) instead of the instructor edition.
+NOTEBOOKS ?= notebooks
 lab: $(STAMP)  ## open the course in JupyterLab (token auth: use the URL it prints)
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(ROOT_FLAG)
+	$(VENV)/bin/jupyter lab --notebook-dir=$(NOTEBOOKS) $(ROOT_FLAG)
 
 demo: $(STAMP)  ## the headless main job: DDP on 2 ranks, progress, final accuracy, loss.png
 	$(PY) -m mgtutorial ddp --nproc 2 --epochs 3 --dataset auto --runs-dir runs
@@ -57,8 +59,8 @@ chromium:
 		echo "WARNING: $(CHROMIUM) is missing and needs root and apt-get to install: tests/e2e will be skipped"; \
 	fi
 
-student: $(STAMP)  ## the student edition in student/: solutions removed, exercise outputs cleared
+student: $(STAMP)  ## the student edition in student/ (solutions removed, exercise outputs cleared; an earlier one is moved aside)
 	$(PY) -m mgtutorial.exercises.edition --src notebooks --out student
 
 clean-runs:  ## delete run directories (logs, checkpoints, plots)
-	rm -rf runs notebooks/runs
+	rm -rf runs notebooks/runs student/runs

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import zipfile
 from pathlib import Path
 
 import torch
@@ -35,6 +36,34 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer, epoch:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
+
+
+def _written_by_torch_save(path: Path) -> bool:
+    """torch.save's format: a zip archive holding ``<name>/data.pkl``."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.endswith("/data.pkl") for name in archive.namelist())
+
+
+def check_checkpoint_path(path: str | os.PathLike | None, resume: bool = False) -> None:
+    """Refuse, before any rank starts, a checkpoint setting that would lose something.
+
+    Raises:
+        ValueError: ``resume`` without a ``path``; ``path`` is a folder; or ``path`` exists and is
+            not a file :func:`torch.save` wrote (it would be overwritten by the first save, or fail
+            to load on resume).
+    """
+    if path is None:
+        if resume:
+            raise ValueError("resume=True needs the file to resume from: set checkpoint (--checkpoint PATH).")
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"checkpoint={str(path)!r} is a folder: name a file, e.g. runs/ddp.pt.")
+    if path.exists() and not _written_by_torch_save(path):
+        raise ValueError(f"checkpoint={str(path)!r} exists and is not a checkpoint: it would be overwritten. "
+                         "Name a new file (e.g. runs/ddp.pt), or delete that one if it is yours to lose.")
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None,

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import data, env, models, runlog
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import check_checkpoint_path, load_checkpoint, save_checkpoint
 from .config_checks import at_least, positive, rank_or_none
 
 
@@ -85,8 +85,7 @@ class DDPConfig:
         positive(self, "lr", "timeout_s")
         at_least(self, 0, "momentum", "seed", "checkpoint_every")
         rank_or_none(self, "fail_rank", world_size)
-        if self.resume and not self.checkpoint:
-            raise ValueError("resume=True needs the file to resume from: set checkpoint (--checkpoint PATH).")
+        check_checkpoint_path(self.checkpoint, self.resume)
         if self.fail_how not in ("raise", "sigkill"):
             raise ValueError(f"fail_how={self.fail_how!r} is not 'raise' or 'sigkill'.")
         data.check_available(data.resolve_dataset(self.dataset, self.data_root), self.data_root, self.download)

@@ -99,6 +99,7 @@ def test_student_edition_has_no_solution(tmp_path):
                         assert line.strip() not in b.source, f"{path.name} cell {i} keeps {line.strip()!r}"
             if b.cell_type == "code" and start is not None and i > start:
                 assert not b.outputs and b.execution_count is None
+                assert "NBVAL_CHECK_OUTPUT" not in b.source
 
 
 @pytest.mark.timeout(300)
@@ -111,9 +112,38 @@ def test_student_edition_runs_its_first_cells(tmp_path):
     assert all(c.outputs for c in nb.cells[:1])
 
 
-def test_make_student_refuses_its_source(tmp_path):
-    with pytest.raises(ValueError, match="folder of its own"):
-        edition.make_student(tmp_path, tmp_path)
+def test_make_student_never_deletes_what_it_did_not_write(tmp_path, monkeypatch):
+    src = tmp_path / "project" / "notebooks"
+    src.mkdir(parents=True)
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# x")]), src / "00_x.ipynb")
+    monkeypatch.chdir(tmp_path / "project")
+    for out in (src, src.parent, tmp_path, Path(".")):  # the notebooks, a folder holding them, the current one
+        with pytest.raises(ValueError, match="folder of its own"):
+            edition.make_student(src, out)
+    (tmp_path / "project" / "mine").mkdir()
+    (tmp_path / "project" / "mine" / "notes.txt").write_text("a learner's notes")
+    with pytest.raises(ValueError, match="is not a student edition written here"):
+        edition.make_student(src, tmp_path / "project" / "mine")
+    (tmp_path / "project" / "README.md").write_text("readme")
+    with pytest.raises(ValueError, match="is not a student edition"):
+        edition.make_student(src, tmp_path / "project" / "README.md")
+    with pytest.raises(ValueError, match="no notebook in"):
+        edition.make_student(tmp_path / "nowhere", tmp_path / "student")
+    assert (tmp_path / "project" / "mine" / "notes.txt").read_text() == "a learner's notes"
+    assert (tmp_path / "project" / "README.md").read_text() == "readme"
+    assert sorted(p.name for p in src.iterdir()) == ["00_x.ipynb"]
+
+
+def test_make_student_again_keeps_the_previous_edition(tmp_path):
+    src = tmp_path / "notebooks"
+    src.mkdir()
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# x")]), src / "00_x.ipynb")
+    edition.make_student(src, tmp_path / "student")
+    (tmp_path / "student" / "answer.py").write_text("a learner's answer")
+    edition.make_student(src, tmp_path / "student")
+    previous = [p for p in tmp_path.iterdir() if p.name.startswith("student-previous-")]
+    assert len(previous) == 1 and (previous[0] / "answer.py").read_text() == "a learner's answer"
+    assert (tmp_path / "student" / "00_x.ipynb").exists() and not (tmp_path / "student" / "answer.py").exists()
 
 
 # --- the transformation and the shared checker pieces --------------------------------------------

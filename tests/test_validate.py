@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mgtutorial import ddp, launch, runlog
 from mgtutorial import ddp_internals as DI
@@ -40,6 +41,20 @@ from mgtutorial import pipeline as P
 def test_validate_refuses(cfg, error, match):
     with pytest.raises(error, match=match):
         cfg.validate(2)
+
+
+def test_checkpoint_that_is_not_one_is_refused_before_it_is_overwritten(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a file the user keeps")
+    for path, match in ((notes, "exists and is not a checkpoint"), (tmp_path, "is a folder")):
+        for resume in (False, True):
+            with pytest.raises(ValueError, match=match):
+                ddp.DDPConfig(checkpoint=str(path), resume=resume).validate(2)
+    assert notes.read_text() == "a file the user keeps"
+    real = tmp_path / "c.pt"
+    torch.save({"model": {}}, real)
+    ddp.DDPConfig(checkpoint=str(real), resume=True).validate(2)  # a torch file, and a new name, are fine
+    ddp.DDPConfig(checkpoint=str(tmp_path / "new.pt")).validate(2)
 
 
 def test_refusal_comes_before_any_rank(runs):

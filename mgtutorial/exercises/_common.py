@@ -39,6 +39,11 @@ class ExerciseError(AssertionError):
         super().__init__(f"{exercise}: {hint}")
         self.exercise, self.hint = exercise, hint
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows: the hint alone. The checker's own source, which the traceback would
+        print around the failing line, holds the expected answer."""
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
 
 class RankFailed(ExerciseError):
     """A rank failed while a checker ran the learner's code; ``rank`` and ``exc_type`` say which and how."""

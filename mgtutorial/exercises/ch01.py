@@ -26,6 +26,10 @@ def label_counts(counts: dict, balanced) -> None:
     ex = "01.1 label counts"
     train_labels = data.load_digits()[0].tensors[1]
     truth = torch.bincount(train_labels, minlength=10).tolist()
+    require(isinstance(counts, dict), ex, f"counts is a {type(counts).__name__}: give a dict (or Counter) label → count")
+    if any(isinstance(key, torch.Tensor) for key in counts):
+        raise ExerciseError(ex, "the keys of counts are tensors (tensor(3) is not the int 3): count int(y) "
+                                "instead of y, e.g. Counter(int(y) for _, y in train_set)")
     got = [answered(counts.get(label), ex, f"counts[{label}]") for label in range(10)]
     test_size = len(data.load_digits()[1])
     require(sum(got) != test_size, ex, f"your counts add up to {test_size}, the size of the test set: "

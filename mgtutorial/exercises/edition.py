@@ -9,7 +9,8 @@ holding ``BEGIN SOLUTION`` and one holding ``END SOLUTION`` (``# BEGIN SOLUTION`
 * turns each ``# STARTER: <code>`` line into ``<code>`` (the starter, which the instructor edition
   keeps as a comment after the solution);
 * clears the outputs of every cell from the ``## Exercises`` heading on, and of any other cell that
-  held a solution.
+  held a solution;
+* drops the ``# NBVAL_CHECK_OUTPUT`` lines of those cells (they are for the instructor edition's tests).
 
 The same rules apply to ``.py`` files under ``notebooks/exercises/``. Run ``make student`` (or
 ``python -m mgtutorial.exercises.edition --src notebooks --out student``). Taught in: WORKSHOP.md.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+import time
 from pathlib import Path
 
 import nbformat
@@ -27,6 +29,8 @@ import nbformat
 BEGIN, END = "BEGIN SOLUTION", "END SOLUTION"
 _STARTER = re.compile(r"^(\s*)# STARTER:(?: (.*))?$")
 EXERCISES_HEADING = "## Exercises"
+MARKER = ".mgtutorial-student-edition"
+NBVAL_MARK = "# NBVAL_CHECK_OUTPUT"
 
 
 def strip_solutions(source: str, *, code: bool = True, where: str = "source") -> tuple[str, int]:
@@ -73,23 +77,37 @@ def student_notebook(nb, where: str = "notebook"):
                                               where=f"{where} cell {i}")
         if cell.cell_type == "code" and (blocks or (start is not None and i > start)):
             cell.outputs, cell.execution_count = [], None
+            cell.source = "\n".join(line for line in cell.source.splitlines() if line.strip() != NBVAL_MARK)
     return nb
 
 
 def make_student(src: str | Path = "notebooks", out: str | Path = "student") -> list[Path]:
     """Write the student edition of every notebook in ``src`` (and of ``src/exercises/``) to ``out``.
 
-    ``out`` is replaced if it exists; it must not be ``src`` itself. Returns the files written.
+    ``out`` is a folder of its own: new, or one this function wrote before (it holds the file
+    :data:`MARKER`). A previous edition is not deleted: it is moved to ``<out>-previous-<time>``, so
+    work the learners did in it is kept. Returns the files written.
 
     Raises:
-        ValueError: ``out`` is ``src``, or a solution block is malformed (names the file and cell).
+        ValueError: ``src`` holds no notebook; ``out`` is ``src``, contains it or the current folder,
+            or exists without being an earlier student edition (a file, or a folder of something
+            else); a solution block is malformed (names the file and cell).
     """
     src, out = Path(src).resolve(), Path(out).resolve()
-    if src == out:
-        raise ValueError(f"the student edition must go to a folder of its own, not {out}")
+    if not sorted(src.glob("*.ipynb")):
+        raise ValueError(f"no notebook in {src}: pass --src the folder of the instructor edition (notebooks)")
+    if out == src or out in src.parents or out in Path.cwd().resolve().parents or out == Path.cwd().resolve():
+        raise ValueError(f"the student edition must go to a folder of its own, not {out} "
+                         f"(it holds {'the notebooks' if out in (src, *src.parents) else 'the current folder'})")
+    if out.exists() and not (out / MARKER).is_file():
+        raise ValueError(f"{out} exists and is not a student edition written here (no {MARKER}): "
+                         "choose a new folder, or move that one away first")
     if out.exists():
-        shutil.rmtree(out)
+        kept = out.with_name(f"{out.name}-previous-{time.strftime('%Y%m%d-%H%M%S')}")
+        out.rename(kept)
+        print(f"the previous edition, with any work done in it, was moved to {kept.name}/")
     out.mkdir(parents=True)
+    (out / MARKER).write_text("written by python -m mgtutorial.exercises.edition; safe to replace\n")
     written = []
     for path in sorted(src.glob("*.ipynb")):
         nb = student_notebook(nbformat.read(path, as_version=4), where=path.name)
@@ -111,9 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mgtutorial.exercises.edition",
                                      description="Write the student edition of the notebooks.")
     parser.add_argument("--src", default="notebooks", help="the instructor edition (default: notebooks)")
-    parser.add_argument("--out", default="student", help="where to write it (default: student; replaced)")
+    parser.add_argument("--out", default="student",
+                        help="where to write it (default: student; an earlier edition there is moved aside, not deleted)")
     args = parser.parse_args(argv)
-    written = make_student(args.src, args.out)
+    try:
+        written = make_student(args.src, args.out)
+    except ValueError as exc:
+        parser.exit(1, f"error: {exc}\n")
     print(f"student edition: {len(written)} files in {args.out}/ (solutions removed, exercise outputs cleared)")
     return 0
 

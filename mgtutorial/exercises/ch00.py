@@ -60,10 +60,15 @@ def max_value(path: str = "ex00_worker.py") -> None:
     cfg = FileWorkerConfig(path=str(Path(path).resolve()), function="my_hello", options={"values": list(VALUES)})
     values = run_ranks(ex, _own_value_worker, cfg, len(VALUES), timeout_s=20, name=Path(path).stem).values
     for rank, value in sorted(values.items()):
+        require(not (isinstance(value, str) and "tensor(" in value), ex,
+                f"rank {rank} returned {value}: a tensor does not cross to the notebook; return Python "
+                "numbers, e.g. int(t.item())")
         require(isinstance(value, dict) and {"rank", "max"} <= set(value), ex,
                 f"rank {rank} returned {value!r}: return a dict with 'rank' and 'max'")
         require(value["rank"] == rank, ex, f"rank {rank} reported rank {value['rank']}: use ctx.rank")
         got, own = value["max"], VALUES[rank]
+        require(isinstance(got, (int, float)) and not isinstance(got, bool), ex,
+                f"rank {rank} reported max {got!r}: return one number, e.g. int(t.item()), not a list or tensor")
         require(got != sum(VALUES), ex, f"rank {rank} received {got}, the sum of {list(VALUES)}: you summed, "
                                         "pass op=dist.ReduceOp.MAX to dist.all_reduce")
         require(got != own or own == max(VALUES), ex,

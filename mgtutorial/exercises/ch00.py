@@ -72,8 +72,9 @@ def max_value(path: str = "ex00_worker.py") -> None:
         require(got != sum(VALUES), ex, f"rank {rank} received {got}, the sum of {list(VALUES)}: you summed, "
                                         "pass op=dist.ReduceOp.MAX to dist.all_reduce")
         require(got != own or own == max(VALUES), ex,
-                f"rank {rank} reported its own value {own}: no collective ran. Put it in a tensor and "
-                "dist.all_reduce it with op=dist.ReduceOp.MAX")
+                f"rank {rank} reported its own value {own}: no collective brought it the others' values. Put "
+                "it in a tensor and dist.all_reduce it with op=dist.ReduceOp.MAX (dist.reduce leaves the "
+                "result on one rank only)")
         require(got == max(VALUES), ex, f"rank {rank} reported max {got}, but the largest of "
                                         f"{list(VALUES)} is {max(VALUES)}: all-reduce with op=dist.ReduceOp.MAX")
     passed(ex, f"3 ranks ran my_hello from your file; their values {', '.join(map(str, VALUES))} "

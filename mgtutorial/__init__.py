@@ -1,33 +1,34 @@
 """mgtutorial: multi-GPU training in PyTorch, taught chapter by chapter (see notebooks/).
 
-The public API, re-exported from the modules that define it. The plotting names (from
-:mod:`mgtutorial.live`) and the run handle (from :mod:`mgtutorial.run`) are imported on first use
-(PEP 562), so ranks load neither matplotlib nor psutil.
+The public API, re-exported from the modules that define it. Every name is imported on first use
+(PEP 562), so ``import mgtutorial`` loads neither torch nor psutil: ``python -m mgtutorial check``
+can then report a missing or broken torch as a row instead of a traceback, and ranks load only what
+their worker needs. Submodules work as usual (``from mgtutorial import ddp``, ``import mgtutorial.ddp``).
 """
 
 from __future__ import annotations
 
 import importlib
-
-from .data import load_dataset, train_loader
-from .checkpoint import load_checkpoint, save_checkpoint
-from .ddp import DDPConfig, Trainer
-from .env import describe, resolve_backend
-from .launch import WorkerNotImportable, launch
-from .models import ArticleCNN, ArticleMLP, cnn_flatten_size
-from .runlog import LogReader, RunLog, RunReader, read_run
+import importlib.util
+import sys
+import types
 
 __version__ = "0.1.0"
 
-_LAZY = {"LivePlot": "live", "loss_figure": "live", "watch": "live",
-         "Run": "run", "RunResult": "run", "WorkerFailed": "run"}
+# public name -> the module that defines it
+_LAZY = {
+    "load_dataset": "data", "train_loader": "data",
+    "load_checkpoint": "checkpoint", "save_checkpoint": "checkpoint",
+    "DDPConfig": "ddp", "Trainer": "ddp",
+    "describe": "env", "resolve_backend": "env",
+    "WorkerNotImportable": "launch", "launch": "launch",
+    "ArticleCNN": "models", "ArticleMLP": "models", "cnn_flatten_size": "models",
+    "LogReader": "runlog", "RunLog": "runlog", "RunReader": "runlog", "read_run": "runlog",
+    "LivePlot": "live", "loss_figure": "live", "watch": "live",
+    "Run": "run", "RunResult": "run", "WorkerFailed": "run",
+}
 
-__all__ = [
-    "ArticleCNN", "ArticleMLP", "DDPConfig", "LivePlot", "LogReader", "Run", "RunLog", "RunReader",
-    "RunResult", "Trainer", "WorkerFailed", "WorkerNotImportable", "cnn_flatten_size", "describe",
-    "launch", "load_checkpoint", "load_dataset", "loss_figure", "read_run", "resolve_backend",
-    "save_checkpoint", "train_loader", "watch",
-]
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):
@@ -35,4 +36,23 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f".{name}", __name__)  # a submodule, e.g. mgtutorial.env
     raise AttributeError(f"module 'mgtutorial' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """Keeps ``mgtutorial.launch`` the function: importing the submodule ``mgtutorial.launch`` makes
+    Python set the package's attribute ``launch`` to that module, which would hide the function."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}" and name in _LAZY:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

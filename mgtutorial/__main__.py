@@ -17,6 +17,9 @@ The options of ``ddp``, ``pipeline``, ``hello`` and ``check`` are generated from
 (:class:`~mgtutorial.ddp.DDPConfig`, :class:`~mgtutorial.pipeline.PipelineConfig`,
 :class:`~mgtutorial.env.HelloConfig`, :class:`~mgtutorial.laptop_check.CheckConfig`): one ``--field-name`` per field, with its default and its
 docstring as help, so ``--help`` and the notebooks' configs never disagree.
+
+``check`` imports neither torch nor psutil before its checks do: on a broken install it still prints
+its table, with a FAIL row and the fix for each missing package. The other commands import torch.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib
 import inspect
 import os
 import re
@@ -33,17 +37,17 @@ import types
 import typing
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from . import laptop_check
 
-from . import data, ddp, env, laptop_check, pipeline, runlog
-from .launch import launch
-from .run import WorkerFailed
-
-
-# Options whose names differ from their config field, and the allowed values of some fields.
+# Options whose names differ from their config field.
 _ALIASES = {"timeout_s": ["--timeout"], "n_microbatches": ["--microbatches"]}
-_CHOICES = {"dataset": data.DATASETS, "backend": env.BACKENDS, "schedule": pipeline.SCHEDULES,
-            "fail_how": ("raise", "sigkill")}
+_MODULES = ("data", "ddp", "env", "pipeline", "runlog")  # imported on first use: they import torch
+
+
+def __getattr__(name: str):
+    if name in _MODULES:  # e.g. ``mgtutorial.__main__.data``, as before these imports were deferred
+        return importlib.import_module(f".{name}", "mgtutorial")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -58,9 +62,10 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def add_config_options(p: argparse.ArgumentParser, cls) -> None:
+def add_config_options(p: argparse.ArgumentParser, cls, choices: dict | None = None) -> None:
     """One option per field of the config dataclass ``cls``: ``--field-name`` with the field's type,
-    default and docstring; a bool that defaults to True becomes ``--no-field-name``."""
+    default and docstring (plus "(default: …)" unless the docstring says it); a bool that defaults to
+    True becomes ``--no-field-name``; ``choices`` maps field names to their allowed values."""
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
@@ -76,13 +81,14 @@ def add_config_options(p: argparse.ArgumentParser, cls) -> None:
         if typing.get_origin(kind) in (typing.Union, types.UnionType):
             kind = next(a for a in args if a is not type(None))
         extra = {"nargs": "+", "type": typing.get_args(kind)[0]} if typing.get_origin(kind) is list else {"type": kind}
-        p.add_argument(flag, *_ALIASES.get(f.name, []), dest=f.name, default=default, choices=_CHOICES.get(f.name),
-                       help=f"{doc} (default: %(default)s)", **extra)
+        p.add_argument(flag, *_ALIASES.get(f.name, []), dest=f.name, default=default,
+                       choices=(choices or {}).get(f.name),
+                       help=doc if "(default:" in doc else f"{doc} (default: %(default)s)", **extra)
 
 
-def _config_parser(sub, name: str, cls, help: str, func) -> None:
+def _config_parser(sub, name: str, cls, help: str, func, choices: dict) -> None:
     p = sub.add_parser(name, help=help, description=help)
-    add_config_options(p, cls)
+    add_config_options(p, cls, choices)
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks to launch (default: one per GPU if ≥ 2 GPUs, else 2); ignored under torchrun")
     p.add_argument("--runs-dir", default="runs", help="parent folder of run directories")
@@ -95,6 +101,8 @@ def _config(args):
 
 
 def _run_under_torchrun(args, worker, cfg, name: str):
+    from . import env, live, runlog
+
     # Every rank must agree on the directory: derive it from what torchrun gives all of them.
     run_name = args.run_name or f"{name}-torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
     os.environ.setdefault(runlog.RUN_DIR_ENV, str(Path(args.runs_dir).resolve() / run_name))
@@ -107,15 +115,15 @@ def _run_under_torchrun(args, worker, cfg, name: str):
                             cfg.backend, cfg)
     summary = worker(cfg)
     if env.rank() == 0:
-        from . import live
-
         live.save_loss_png(run_dir, runlog.read_run(run_dir))
     return run_dir, summary
 
 
 def _launch_locally(args, worker, cfg, name: str):
+    from . import env, live
+    from .launch import launch
+
     nproc = env.default_nprocs() if args.nproc is None else args.nproc
-    from . import live
 
     run = launch(worker, cfg, nproc, runs_dir=args.runs_dir, name=name)
     print(f"launched {nproc} rank(s) ({env.resolve_backend(cfg.backend, nproc)}); logs in {run.run_dir}")
@@ -125,6 +133,11 @@ def _launch_locally(args, worker, cfg, name: str):
 
 def _run(args, worker, cfg, name: str, report) -> int:
     """Launch ranks, or be one rank under torchrun; then let rank 0 print ``report(summary)``."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from . import env
+    from .run import WorkerFailed
+
     try:
         if env.is_distributed_env():
             run_dir, summary = _run_under_torchrun(args, worker, cfg, name)
@@ -159,6 +172,8 @@ def _pipeline_report(summary: dict) -> str:
 
 
 def _run_data(args) -> int:
+    from . import data
+
     if args.name != "cifar10":
         print(f"{args.name!r} needs no download (it ships with scikit-learn).")
         return 0
@@ -174,37 +189,66 @@ def _run_data(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line: one subcommand per worker, its options generated from the worker's config."""
+def _check(p: argparse.ArgumentParser, args) -> int:
+    cfg = _config(args)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        p.error(str(exc))  # a usage error (exit code 2), before any check runs
+    return laptop_check.main(cfg)
+
+
+def build_parser(check_only: bool = False) -> argparse.ArgumentParser:
+    """The command line: one subcommand per worker, its options generated from the worker's config.
+    ``check_only``: only the ``check`` command, without importing torch."""
     parser = argparse.ArgumentParser(prog="python -m mgtutorial", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    if not check_only:
+        _add_commands(sub)
+    p = sub.add_parser("check", help="the laptop check for the morning of a workshop: a pass/fail table")
+    add_config_options(p, laptop_check.CheckConfig)
+    p.set_defaults(func=lambda args: _check(p, args), config_class=laptop_check.CheckConfig)
+    return parser
+
+
+def _add_commands(sub) -> None:
+    """Every command but ``check``; these import torch."""
+    from . import data, ddp, env, pipeline
+
+    choices = {"dataset": data.DATASETS, "backend": env.BACKENDS, "schedule": pipeline.SCHEDULES,
+               "fail_how": ("raise", "sigkill")}
     _config_parser(sub, "ddp", ddp.DDPConfig, "DDP training of the article's CNN (chapter 02)",
-                   lambda args: _run(args, ddp.worker, _config(args), "ddp", _ddp_report))
+                   lambda args: _run(args, ddp.worker, _config(args), "ddp", _ddp_report), choices)
     _config_parser(sub, "pipeline", pipeline.PipelineConfig,
                    "pipeline-parallel training of the article's MLP, one stage per rank (chapter 04)",
-                   lambda args: _run(args, pipeline.worker, _config(args), "pipeline", _pipeline_report))
+                   lambda args: _run(args, pipeline.worker, _config(args), "pipeline", _pipeline_report), choices)
     _config_parser(sub, "hello", env.HelloConfig,
                    "each rank reports who it is and all-reduces its rank (chapters 00, 05)",
-                   lambda args: _run(args, env.hello, _config(args), "hello", _hello_report))
+                   lambda args: _run(args, env.hello, _config(args), "hello", _hello_report), choices)
     p = sub.add_parser("data", help="fetch a dataset")
     p.add_argument("name", choices=["cifar10", "digits"])
     p.add_argument("--root", default=None, help="target folder (default $MGTUTORIAL_DATA or ~/.cache/mgtutorial/data)")
     p.set_defaults(func=_run_data)
     p = sub.add_parser("describe", help="hardware and the choices the course makes on it")
     p.set_defaults(func=_describe)
-    p = sub.add_parser("check", help="the laptop check for the morning of a workshop: a pass/fail table")
-    add_config_options(p, laptop_check.CheckConfig)
-    p.set_defaults(func=lambda args: laptop_check.main(_config(args)), config_class=laptop_check.CheckConfig)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        parser = build_parser(check_only=argv[:1] == ["check"])
+    except ImportError as exc:  # torch or psutil missing or broken: say where the diagnosis is
+        print(f"error: {type(exc).__name__}: {exc}\n`python -m mgtutorial check` lists what is missing "
+              "or broken and the command that fixes it.", file=sys.stderr)
+        return 1
+    args = parser.parse_args(argv)
     return args.func(args)
 
 
 def _describe(args) -> int:
+    from . import env
+
     for key, value in env.describe().items():
         print(f"{key:>15}: {value}")
     return 0
@@ -212,7 +256,8 @@ def _describe(args) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if env.is_distributed_env():
+    env = sys.modules.get("mgtutorial.env")  # not imported when torch is missing
+    if env is not None and env.is_distributed_env():
         # one rank under torchrun: leave without C++ teardown, which can abort a finished rank
         from ._rank import exit_now
 

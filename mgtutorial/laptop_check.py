@@ -8,38 +8,40 @@ shows working, in well under 30 s, and prints one row per check::
     ranks          FAIL    ...
                    fix:    what to do about it
 
-Checks: the Python version and each required package against pyproject.toml (the test extra
-included: nbval runs the notebooks), CPU cores and memory (psutil), two ranks starting and
+Checks: the Python version and each required package against pyproject.toml, installed and
+importable (:mod:`mgtutorial.laptop_packages`), CPU cores and memory (psutil), two ranks starting and
 all-reducing through :func:`mgtutorial.launch` (``env.hello``, with a time limit), a free port on
 127.0.0.1 and that a taken one is refused, JupyterLab's widget front end
 (``@jupyter-widgets/jupyterlab-manager`` in the Jupyter data path), CIFAR-10 on disk
 (:func:`mgtutorial.data.cifar10_on_disk`; a warning only, the digits need no download), free disk
 space where runs are written, and the GPUs torch sees (information only). The exit code is 1 when
-any row failed, else 0. Version rules follow https://packaging.python.org/en/latest/specifications/version-specifiers/.
+any row failed, else 0. Torch, psutil and the course's modules are imported only inside the checks
+that need them: with one missing or broken, the table still prints, and those checks are FAIL rows
+naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata as metadata
+import math
 import os
-import platform
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-PASS, WARN, FAIL, INFO = "pass", "WARN", "FAIL", "info"
+from .laptop_packages import (FAIL, IMPORTED, INFO, PASS, WARN, Row, check_package, check_python, import_errors,
+                              installed, pip_fix, requirements)
+
 WIDGETS_EXTENSION = "@jupyter-widgets/jupyterlab-manager"
-EXTRAS = ("test",)  # optional dependencies a workshop needs (nbval); e2e's browser driver is not one
 GiB = 2**30
+NEEDS = {"cores, memory": ("psutil",), "ranks": ("torch", "psutil"), "CIFAR-10": ("torch",), "GPU": ("torch",)}
 
 
 @dataclasses.dataclass(kw_only=True)
 class CheckConfig:
-    """Options of the laptop check (``python -m mgtutorial check --help``)."""
+    """Options of the laptop check (``python -m mgtutorial check --help``); see :meth:`validate`."""
 
     nprocs: int = 2
     """Ranks the rank check starts (2 as in most chapters; 4 for the 2×2 meshes of chapter 08)."""
@@ -52,63 +54,15 @@ class CheckConfig:
     jupyter_path: list[str] | None = None
     """Jupyter data folders searched for the widget front end (default: Jupyter's data path)."""
 
-
-@dataclasses.dataclass
-class Row:
-    """One check's outcome: ``status`` is "pass" | "WARN" | "FAIL" | "info"; ``fix`` says what to do."""
-
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
-
-
-def _pip(spec: str) -> str:
-    """The install command a fix line prints, for this interpreter, online and from a wheel folder."""
-    return f"{Path(sys.executable).name} -m pip install '{spec}'  (offline: add --no-index --find-links wheels)"
-
-
-def requirements() -> tuple[str, list]:
-    """``(requires-python, [packaging Requirement, …])``: the project's dependencies and :data:`EXTRAS`,
-    from pyproject.toml beside the package when there is one (Python ≥ 3.11), else from the
-    installed distribution's metadata."""
-    from packaging.requirements import Requirement
-
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-    try:
-        import tomllib
-
-        project = tomllib.loads(pyproject.read_text())["project"]
-        specs = project["dependencies"] + [s for x in EXTRAS for s in project["optional-dependencies"].get(x, [])]
-        return project["requires-python"], [Requirement(s) for s in specs]
-    except (ImportError, OSError, KeyError):
-        reqs = [Requirement(s) for s in metadata.requires("mgtutorial") or []]
-        keep = [r for r in reqs if r.marker is None or any(r.marker.evaluate({"extra": x}) for x in EXTRAS)]
-        return metadata.metadata("mgtutorial")["Requires-Python"] or "", keep
-
-
-def check_python(spec: str) -> Row:
-    """This interpreter's version against ``spec`` (pyproject's requires-python, e.g. ">=3.10")."""
-    from packaging.specifiers import SpecifierSet
-
-    version = platform.python_version()
-    if SpecifierSet(spec).contains(version):
-        return Row("python", PASS, f"{version} (needs {spec}) at {sys.executable}")
-    return Row("python", FAIL, f"{version}, but the course needs {spec}",
-               f"install Python {spec} (python.org or conda), then make lab")
-
-
-def check_package(req) -> Row:
-    """One required package: installed (``importlib.metadata.version``) and within its version range."""
-    # lower bounds first, as pyproject.toml writes them (packaging sorts them as text)
-    want = ",".join(sorted(map(str, req.specifier), key=lambda s: s[0] == "<")) or "any version"
-    try:
-        version = metadata.version(req.name)
-    except metadata.PackageNotFoundError:
-        return Row(req.name, FAIL, f"not installed (needs {want})", _pip(str(req)))
-    if req.specifier and not req.specifier.contains(version, prereleases=True):
-        return Row(req.name, FAIL, f"{version} installed, but the course needs {want}", _pip(str(req)))
-    return Row(req.name, PASS, f"{version} (needs {want})")
+    def validate(self) -> None:
+        """Raise ValueError naming the bad value and its fix; called before any check runs."""
+        if self.nprocs < 1:
+            raise ValueError(f"nprocs={self.nprocs}: the rank check needs at least 1 rank (try --nprocs 2)")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s={self.timeout_s}: give the ranks a number of seconds > 0 (try --timeout 60)")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master_port={self.master_port}: a port is between 1 and 65535; or leave "
+                             "--master-port unset and the operating system picks a free one")
 
 
 def check_machine() -> Row:
@@ -144,6 +98,10 @@ def check_port(port: int | None) -> Row:
                "a security tool or sandbox shares ports; run the course outside it")
 
 
+def _ranks_name(nprocs: int) -> str:
+    return f"{nprocs} rank{'s' * (nprocs != 1)}"
+
+
 def check_ranks(nprocs: int, timeout_s: float, master_port: int | None) -> Row:
     """Start ``nprocs`` ranks of :func:`mgtutorial.env.hello` (each all-reduces its rank) and check
     every rank got 0 + 1 + … + (nprocs − 1) within ``timeout_s`` seconds."""
@@ -151,7 +109,7 @@ def check_ranks(nprocs: int, timeout_s: float, master_port: int | None) -> Row:
     from .launch import launch
     from .run import WorkerFailed
 
-    name, start = f"{nprocs} ranks", time.monotonic()
+    name, start = _ranks_name(nprocs), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mgtutorial-check-") as runs:
         try:
             run = launch(env.hello, env.HelloConfig(), nprocs, runs_dir=runs, name="check", master_port=master_port)
@@ -174,7 +132,7 @@ def check_ranks(nprocs: int, timeout_s: float, master_port: int | None) -> Row:
     want = nprocs * (nprocs - 1) // 2
     if sums != [want] or sorted(result.values) != list(range(nprocs)):
         return Row(name, FAIL, f"the all-reduced sums are {sums}, expected [{want}]",
-                   "reinstall torch (its gloo backend misbehaves): " + _pip("torch"))
+                   "reinstall torch (its gloo backend misbehaves): " + pip_fix("torch"))
     backend = next(iter(result.values.values()))["backend"]
     return Row(name, PASS, f"started and all-reduced ({backend}, sum of ranks {want}) "
                f"in {time.monotonic() - start:.1f} s")
@@ -182,12 +140,12 @@ def check_ranks(nprocs: int, timeout_s: float, master_port: int | None) -> Row:
 
 def check_widgets(jupyter_path: list[str] | None) -> Row:
     """The widget front end: ``labextensions/@jupyter-widgets/jupyterlab-manager`` in a Jupyter data folder."""
-    fix = f"{_pip('ipywidgets>=8')}; it brings jupyterlab_widgets; then restart JupyterLab"
+    fix = f"{pip_fix('ipywidgets>=8')}; it brings jupyterlab_widgets; then restart JupyterLab"
     if jupyter_path is None:
         try:
             from jupyter_core.paths import jupyter_path as data_path
         except ImportError:
-            return Row("widgets", FAIL, "jupyter_core is missing (JupyterLab is not installed)", _pip("jupyterlab>=4"))
+            return Row("widgets", FAIL, "jupyter_core is missing (JupyterLab is not installed)", pip_fix("jupyterlab>=4"))
         jupyter_path = data_path()
     found = [d for d in jupyter_path if (Path(d) / "labextensions" / WIDGETS_EXTENSION / "package.json").exists()]
     if found:
@@ -212,6 +170,8 @@ def check_disk(runs_dir: str, need_gib: float = 1.0) -> Row:
     where = Path(runs_dir).resolve()
     while not where.exists():
         where = where.parent
+    if not where.is_dir():
+        return Row("disk", FAIL, f"{where} is a file, not a folder", "give --runs-dir a folder (or move the file)")
     free = shutil.disk_usage(where).free / GiB
     detail = f"{free:.1f} GiB free at {where}"
     if not os.access(where, os.W_OK):
@@ -238,17 +198,28 @@ def check_gpu() -> Row:
 
 
 def run_checks(cfg: CheckConfig) -> list[Row]:
-    """Every check, in the order the table shows them. Raises nothing: a check that breaks is a FAIL row."""
+    """Every check, in the order the table shows them. Raises nothing: a check that breaks is a FAIL row,
+    and so is one whose package (:data:`NEEDS`) is missing or does not import, naming it."""
     spec, reqs = requirements()
-    checks = [("python", lambda: check_python(spec)), *[(r.name, lambda r=r: check_package(r)) for r in reqs],
+    errors = import_errors([r.name for r in reqs if r.name in IMPORTED and installed(r.name)])
+    unusable = {r.name for r in reqs if r.name in IMPORTED and (r.name in errors or not installed(r.name))}
+    checks = [("python", lambda: check_python(spec)),
+              *[(r.name, lambda r=r: check_package(r, errors.get(r.name, ""))) for r in reqs],
               ("cores, memory", check_machine), ("port", lambda: check_port(cfg.master_port)),
-              (f"{cfg.nprocs} ranks", lambda: check_ranks(cfg.nprocs, cfg.timeout_s, cfg.master_port)),
+              ("ranks", lambda: check_ranks(cfg.nprocs, cfg.timeout_s, cfg.master_port)),
               ("widgets", lambda: check_widgets(cfg.jupyter_path)), ("CIFAR-10", check_cifar10),
               ("disk", lambda: check_disk(cfg.runs_dir)), ("GPU", check_gpu)]
     rows = []
-    for name, check in checks:
+    for key, check in checks:
+        name = _ranks_name(cfg.nprocs) if key == "ranks" else key
+        missing = [p for p in NEEDS.get(key, ()) if p in unusable]
         try:
-            rows.append(check())
+            rows.append(Row(name, FAIL, f"not run: it needs {' and '.join(missing)} (see above)",
+                            f"fix the {missing[0]} row first, then run the check again") if missing else check())
+        except ImportError as exc:  # a module the check imports is missing or broken
+            top = (exc.name or "").split(".")[0]
+            rows.append(Row(name, FAIL, f"not run: {type(exc).__name__}: {exc}"[:240],
+                            pip_fix(next((str(r) for r in reqs if r.name == top), top)) if top else "install what it names"))
         except Exception as exc:  # one broken check must not hide the others
             rows.append(Row(name, FAIL, f"the check itself failed: {type(exc).__name__}: {exc}",
                             "show this line to the instructor"))
@@ -269,7 +240,9 @@ def format_table(rows: list[Row]) -> str:
 
 
 def main(cfg: CheckConfig) -> int:
-    """Print the table; return 1 if any check failed, else 0 (warnings do not fail)."""
+    """Print the table; return 1 if any check failed, else 0 (warnings do not fail). Raises ValueError
+    for a bad ``cfg`` (:meth:`CheckConfig.validate`) before any check runs."""
+    cfg.validate()
     start = time.monotonic()
     rows = run_checks(cfg)
     print(format_table(rows))

@@ -5,6 +5,7 @@ FAIL rows with their fixes and exit code 1. Asserts on rows and exit codes, neve
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def test_too_little_disk_fails_and_names_clean_runs(tmp_path):
 
 
 def test_an_unknown_python_fails(monkeypatch):
-    monkeypatch.setattr(lc.platform, "python_version", lambda: "3.9.18")
+    monkeypatch.setattr(platform, "python_version", lambda: "3.9.18")
     row = lc.check_python(">=3.10")
     assert (row.status, row.detail) == ("FAIL", "3.9.18, but the course needs >=3.10")
 
@@ -159,3 +160,141 @@ def test_cli_options_are_the_config_fields():
     args = build_parser().parse_args(["check", "--master-port", "5", "--timeout", "3", "--jupyter-path", "a", "b"])
     assert _config(args) == lc.CheckConfig(master_port=5, timeout_s=3.0, jupyter_path=["a", "b"])
     assert set(field_docs(lc.CheckConfig)) == {"nprocs", "timeout_s", "master_port", "runs_dir", "jupyter_path"}
+
+
+def _fake_package(root, name: str, body: str):
+    """A package ``name`` under ``root`` that shadows the installed one when ``root`` is first on the path."""
+    (root / name).mkdir(parents=True)
+    (root / name / "__init__.py").write_text(body)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("broken, error, dependents", [
+    ("torch", "ImportError: libtorch_cpu.so: cannot open shared object file", ("torchvision", "2 ranks", "CIFAR-10", "GPU")),
+    ("psutil", "ModuleNotFoundError: No module named 'psutil._psutil_linux'", ("cores, memory", "2 ranks")),
+])
+def test_a_package_that_does_not_import_is_a_fail_row_with_its_fix_not_a_traceback(tmp_path, broken, error,
+                                                                                   dependents, no_leftovers):
+    kind, message = error.split(": ", 1)
+    _fake_package(tmp_path / "shadow", broken, f"raise {kind}({message!r})\n")
+    path = os.pathsep.join([str(tmp_path / "shadow"), os.environ.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-m", "mgtutorial", "check", "--runs-dir", str(tmp_path / "runs"),
+                          "--timeout", "60"], capture_output=True, text=True, timeout=100,
+                         env=_env(PYTHONPATH=path, MGTUTORIAL_DATA=str(tmp_path)))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    rows = parse(out.stdout.split("\nchecked in")[0].rsplit("\n", 1)[0])
+    status, detail, fix = rows[broken]
+    assert (status, detail) == ("FAIL", f"{metadata.version(broken)} installed, but import {broken} fails: {error}")
+    spec = next(str(r) for r in lc.requirements()[1] if r.name == broken)
+    assert f"pip install --force-reinstall '{spec}'" in fix
+    fails = [k for k, v in rows.items() if v[0] == "FAIL"]
+    assert fails == [k for k in rows if k in (broken, *dependents)], fails
+    for name in dependents:
+        if name != "torchvision":  # torchvision's own import fails (it imports torch)
+            assert rows[name][1].startswith("not run: it needs") and broken in rows[name][1], rows[name]
+            assert rows[name][2].startswith("fix the ")
+    assert rows["python"][0] == rows["port"][0] == rows["disk"][0] == "pass"
+
+
+def test_import_mgtutorial_and_the_check_command_load_neither_torch_nor_psutil():
+    code = """if True:
+        import sys, mgtutorial
+        from mgtutorial.__main__ import build_parser
+        build_parser(check_only=True).parse_args(["check"])
+        assert not {"torch", "psutil"} & set(sys.modules), "imported eagerly"
+        from mgtutorial import ddp, env, exercises, launch
+        import mgtutorial.launch, mgtutorial.ddp
+        assert mgtutorial.launch is launch and launch.__module__ == "mgtutorial.launch", launch
+        assert mgtutorial.ddp is ddp and ddp.Trainer is mgtutorial.Trainer and mgtutorial.runlog.read_run
+        assert all(getattr(mgtutorial, name) for name in mgtutorial.__all__) and "Trainer" in dir(mgtutorial)
+        print(len(mgtutorial.__all__), mgtutorial.__version__)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, env=_env())
+    assert out.returncode == 0 and out.stdout.split() == ["23", "0.1.0"], out.stdout + out.stderr
+
+
+def test_an_import_that_crashes_python_fails_that_module_and_the_rest_untried(tmp_path, monkeypatch):
+    _fake_package(tmp_path, "crashes_on_import", "import os\nos._exit(7)\n")
+    _fake_package(tmp_path, "fine_module", "")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    assert lc.import_errors(["fine_module", "no_such_module_here", "crashes_on_import", "json"]) == {
+        "no_such_module_here": "ModuleNotFoundError: No module named 'no_such_module_here'",
+        "crashes_on_import": "importing it ended Python with exit code 7",
+        "json": "not tried (crashes_on_import stopped Python)"}
+
+
+@pytest.mark.timeout(60)
+def test_an_import_that_hangs_is_stopped_and_fails(tmp_path, monkeypatch):
+    _fake_package(tmp_path, "hangs_on_import", "import time\ntime.sleep(600)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    assert lc.import_errors(["json", "hangs_on_import"], timeout_s=5) == {
+        "hangs_on_import": "importing it took over 5 s"}
+    assert lc.import_errors([]) == {}
+
+
+def test_a_package_that_does_not_import_fails_with_a_reinstall(monkeypatch):
+    from mgtutorial.laptop_packages import _packaging
+
+    row = lc.check_package(_packaging()[0]("psutil>=5.9"), "ImportError: boom")
+    assert row.status == "FAIL" and row.detail.endswith("installed, but import psutil fails: ImportError: boom")
+    assert "pip install --force-reinstall 'psutil>=5.9'" in row.fix
+
+
+def test_a_check_whose_import_fails_names_the_package_and_its_install(monkeypatch):
+    def gpu():
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    monkeypatch.setattr(lc, "check_gpu", gpu)
+    monkeypatch.setattr(lc, "check_ranks", lambda *a: lc.Row("2 ranks", "pass", "not started in this test"))
+    row = {r.name: r for r in lc.run_checks(lc.CheckConfig())}["GPU"]
+    assert (row.status, row.detail) == ("FAIL", "not run: ModuleNotFoundError: No module named 'torch'")
+    assert "pip install 'torch<2.15,>=2.4'" in row.fix
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--master-port", "70000"], "master_port=70000: a port is between 1 and 65535"),
+    (["--master-port", "-1"], "master_port=-1: a port is between 1 and 65535"),
+    (["--nprocs", "0"], "nprocs=0: the rank check needs at least 1 rank (try --nprocs 2)"),
+    (["--timeout", "nan"], "timeout_s=nan: give the ranks a number of seconds > 0"),
+    (["--timeout", "0"], "timeout_s=0.0: give the ranks a number of seconds > 0"),
+])
+def test_bad_options_are_usage_errors_before_any_check(argv, message, capsys):
+    from mgtutorial.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", *argv])
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and f"python -m mgtutorial check: error: {message}" in out.err
+    assert out.out == "" and "usage:" in out.err and "instructor" not in out.err
+    with pytest.raises(ValueError, match=message.split(":")[0]):
+        lc.main(lc.CheckConfig(**dict(lc.CheckConfig().__dict__, **_fields(argv))))
+
+
+def _fields(argv: list[str]) -> dict:
+    from mgtutorial.__main__ import _config, build_parser
+
+    return _config(build_parser(check_only=True).parse_args(["check", *argv])).__dict__
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_is_singular(no_leftovers):
+    row = lc.check_ranks(1, timeout_s=60, master_port=None)
+    assert (row.name, row.status) == ("1 rank", "pass") and "sum of ranks 0" in row.detail
+
+
+def test_runs_dir_naming_a_file_fails_the_disk_row(tmp_path):
+    (tmp_path / "runs").write_text("")
+    for where in (tmp_path / "runs", tmp_path / "runs" / "below"):
+        assert lc.check_disk(str(where)) == lc.Row("disk", "FAIL", f"{tmp_path / 'runs'} is a file, not a folder",
+                                                   "give --runs-dir a folder (or move the file)")
+
+
+def test_help_says_each_default_once(capsys):
+    from mgtutorial.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: one the operating system picks)." in text and "(default: Jupyter's data path)." in text
+    assert "(default: None)" not in text and text.count("(default:") == 5

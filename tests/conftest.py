@@ -1,7 +1,9 @@
-"""Shared fixtures: a run directory per test and the no-leftover-process check."""
+"""Shared fixtures: a run directory per test, the no-leftover-process check, and a check that no
+test leaves the variables that steer a run changed (later tests and notebook kernels inherit them)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -23,6 +25,24 @@ def rank_processes() -> list[psutil.Process]:
         except psutil.Error:
             pass
     return out
+
+
+_STEERING = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+def _steering_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("MGTUTORIAL_") or k in _STEERING}
+
+
+@pytest.fixture(autouse=True)
+def environment_unchanged():
+    """Fails the test if it left a MGTUTORIAL_* or rank variable set, unset or changed."""
+    before = _steering_env()
+    yield
+    after = _steering_env()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"the test left these variables changed: {changed} (use monkeypatch.setenv)"
 
 
 @pytest.fixture

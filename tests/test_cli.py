@@ -142,7 +142,9 @@ def test_cli_under_torchrun_refuses_before_writing_anything(monkeypatch, tmp_pat
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.delenv(runlog.RUN_DIR_ENV, raising=False)
+    # set here (as torchrun's ranks would derive it), so that monkeypatch restores the environment:
+    # the CLI sets it with setdefault, and a variable left behind would redirect every later run
+    monkeypatch.setenv(runlog.RUN_DIR_ENV, str(tmp_path / "refused"))
     assert cli.main(["ddp", "--epochs", "0", "--runs-dir", str(tmp_path), "--run-name", "refused"]) == 1
     assert "epochs=0" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()

@@ -33,6 +33,7 @@ import os
 import re
 import sys
 import textwrap
+import traceback
 import types
 import typing
 from pathlib import Path
@@ -113,7 +114,11 @@ def _run_under_torchrun(args, worker, cfg, name: str):
     if env.rank() == 0:
         runlog.write_config(run_dir, f"{worker.__module__}:{worker.__qualname__}", env.world_size(),
                             cfg.backend, cfg)
-    summary = worker(cfg)
+    try:
+        summary = worker(cfg)
+    except (ValueError, OSError):  # a rank's error mid-run: its traceback too, not only _run's one line
+        traceback.print_exc()
+        raise
     if env.rank() == 0:
         live.save_loss_png(run_dir, runlog.read_run(run_dir))
     return run_dir, summary

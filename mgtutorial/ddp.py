@@ -125,9 +125,8 @@ def build(cfg: DDPConfig, ctx: env.DistContext, wrap=apply_ddp, model_cls=models
     builds it (default the article's CNN).
     """
     env.seed_everything(cfg.seed)
-    if not cfg.tf32:  # newer API: conv and rnn together, as the legacy cudnn.allow_tf32 did
-        cudnn, cuda = torch.backends.cudnn, torch.backends.cuda
-        cudnn.conv.fp32_precision = cudnn.rnn.fp32_precision = cuda.matmul.fp32_precision = "ieee"
+    if not cfg.tf32:
+        models.disable_tf32()
     train_set, test_set = data.load_dataset(cfg.dataset, cfg.data_root, cfg.download, seed=cfg.seed)
     in_shape = tuple(train_set[0][0].shape)
     model = wrap(model_cls(in_shape=in_shape), ctx)

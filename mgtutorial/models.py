@@ -120,3 +120,18 @@ def unwrap(model: nn.Module) -> nn.Module:
     :class:`~mgtutorial.collectives.FromScratchDDP` (chapter 03); the model itself otherwise (a plain
     module, or one sharded in place by FSDP2's ``fully_shard``)."""
     return model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+
+
+def disable_tf32() -> None:
+    """Full float32 in cuDNN and CUDA matmuls (no TF32), for bit-level comparisons on GPUs.
+
+    torch ≥ 2.9: the ``fp32_precision`` API, cuDNN conv and RNN set together (mixing it with the
+    legacy switches makes their getter raise); older torch: ``cudnn.allow_tf32`` and
+    ``cuda.matmul.allow_tf32``. No effect on CPU computations. Taught in notebooks/02_ddp.ipynb;
+    see https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices.
+    """
+    cudnn, cuda = torch.backends.cudnn, torch.backends.cuda
+    if hasattr(cudnn, "conv") and hasattr(cuda.matmul, "fp32_precision"):
+        cudnn.conv.fp32_precision = cudnn.rnn.fp32_precision = cuda.matmul.fp32_precision = "ieee"
+    else:
+        cudnn.allow_tf32 = cuda.matmul.allow_tf32 = False

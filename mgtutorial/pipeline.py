@@ -230,8 +230,8 @@ def worker(cfg: PipelineConfig) -> dict:
         losses, peaks, times, cpu, wait = [], [], [], [], []
         log.plan(steps=cfg.steps)
         for step, (x, y) in enumerate(batches(cfg), start=1):
-            if s == cfg.fail_stage and step == 2:
-                raise RuntimeError(f"injected failure in stage {s} at step {step}")
+            if cfg.fail_stage in ids and step == 2:  # the rank that holds that stage
+                raise RuntimeError(f"injected failure in stage {cfg.fail_stage} at step {step}")
             for t in timelines:
                 t.new_step(step)
             opt.zero_grad(set_to_none=True)

@@ -29,11 +29,10 @@ def bubble_formula(num_stages: int, n_microbatches: int, stages_per_rank: int = 
 
 def bubble_model(num_stages: int, n_microbatches: int, forward_s: float, backward_s: float, delay_s: float,
                  stages_per_rank: int = 1) -> float:
-    """The formula with a cost between the boxes: every box but the step's first starts ``delay_s`` = o
-    late (see :func:`box_delays`). The critical path has v·m + p − 1 forwards and as many backwards,
-    so the span is (v·m + p − 1)·(f + b + 2·o) − o instead of (v·m + p − 1)·(f + b), and the idle
-    fraction 1 − v·m·(f + b) / ((v·m + p − 1)·(f + b + 2·o) − o); times in seconds, f and b one box of
-    one stage. With o = 0 it is :func:`bubble_formula`."""
+    """The formula with a cost between the boxes: every box but the step's first starts ``delay_s`` = o late
+    (:func:`box_delays`). The critical path has v·m + p − 1 forwards and as many backwards, so the span is
+    (v·m + p − 1)·(f + b + 2·o) − o, and the idle fraction 1 − v·m·(f + b) / ((v·m + p − 1)·(f + b + 2·o) − o);
+    seconds, f and b one box of one stage. With o = 0 it is :func:`bubble_formula`."""
     p, vm, work = num_stages, stages_per_rank * n_microbatches, forward_s + backward_s
     return 1 - vm * work / ((vm + p - 1) * (work + 2 * delay_s) - delay_s)
 
@@ -51,6 +50,12 @@ class HandoffConfig:
     backend: str = "auto"
     """"auto" | "gloo" | "nccl"."""
 
+    def validate(self, world_size: int) -> None:
+        """Before any process starts (:func:`mgtutorial.launch`): 2 ranks, reps ≥ 3, positive sizes."""
+        if world_size != 2 or self.reps < 3 or not self.rows or min(self.rows) < 1 or self.width < 1:
+            raise ValueError(f"the hand-off needs 2 ranks (got {world_size}), reps ≥ 3 (got {self.reps}), "
+                             f"positive rows and width (got {self.rows}, {self.width}).")
+
 
 def handoff_worker(cfg: HandoffConfig) -> list[dict]:
     """The hand-off alone: rank 0 sends a ``(rows, width)`` activation, rank 1 receives it and sends it
@@ -67,10 +72,8 @@ def handoff_worker(cfg: HandoffConfig) -> list[dict]:
             for _ in range(cfg.reps):
                 dist.barrier()
                 t0 = _synced(ctx.device)
-                if ctx.rank == 0:
-                    dist.send(x, peer), dist.recv(x, peer)
-                else:
-                    dist.recv(x, peer), dist.send(x, peer)
+                first, second = (dist.send, dist.recv) if ctx.rank == 0 else (dist.recv, dist.send)
+                first(x, peer), second(x, peer)
                 times.append((_synced(ctx.device) - t0) / 2)
             out.append({"rows": rows, "bytes": x.numel() * x.element_size(), "handoff_ms": 1e3 * min(times[2:]),
                         "median_ms": 1e3 * statistics.median(times[2:])})

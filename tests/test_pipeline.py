@@ -226,11 +226,13 @@ def test_thread_clock_counts_this_threads_cpu_and_run_queue_wait():
 
 
 @pytest.mark.timeout(60)
-def test_failing_stage_is_reported(runs, no_leftovers):
-    cfg = P.PipelineConfig(schedule="1f1b", fail_stage=1, timeout_s=600)
-    with pytest.raises(WorkerFailed, match="injected failure in stage 1 at step 2") as info:
+@pytest.mark.parametrize("schedule, stage, rank", [("1f1b", 1, 1), ("interleaved", 3, 1), ("interleaved", 2, 0)])
+def test_failing_stage_is_reported(runs, no_leftovers, schedule, stage, rank):
+    # interleaved: rank r holds stages r and r + p, so stage 3 of 4 fails on rank 1, stage 2 on rank 0
+    cfg = P.PipelineConfig(schedule=schedule, fail_stage=stage, timeout_s=600, sizes=[64] * 5, batch_size=8)
+    with pytest.raises(WorkerFailed, match=f"injected failure in stage {stage} at step 2") as info:
         launch(P.worker, cfg, 2, runs_dir=runs).wait(timeout=40)
-    assert info.value.rank == 1
+    assert info.value.rank == rank
 
 
 @pytest.mark.timeout(60)

@@ -8,6 +8,7 @@ import torch
 from mgtutorial import ddp, launch, runlog
 from mgtutorial import ddp_internals as DI
 from mgtutorial import pipeline as P
+from mgtutorial import timeline as T
 
 
 @pytest.mark.parametrize("cfg, error, match", [
@@ -34,6 +35,7 @@ from mgtutorial import pipeline as P
     (P.PipelineConfig(schedule="1f1b", n_microbatches=1), ValueError, r"1F1B needs n_microbatches ≥ stages: 1 < 2"),
     (P.PipelineConfig(sizes=[8, 4]), ValueError, "2 stages but the MLP has only 1 sub-networks"),
     (P.PipelineConfig(steps=0), ValueError, "steps=0: must be at least 1"),
+    (T.HandoffConfig(reps=2), ValueError, r"reps ≥ 3 \(got 2\)"),
     (P.PipelineConfig(sizes=[64, -4, 8]), ValueError, r"sizes=\[64, -4, 8\]: give at least two layer widths"),
     (P.PipelineConfig(lr=float("nan")), ValueError, "lr=nan: must be a finite number"),
     (P.PipelineConfig(fail_stage=2), ValueError, r"fail_stage=2: must be -1 \(none\) or a stage of the job, 0 … 1"),

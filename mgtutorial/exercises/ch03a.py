@@ -157,6 +157,10 @@ def average_worker(cfg: AverageConfig) -> dict:
         return {"calls_per_step": model.calls_per_step}
 
 
+_UNSEEN = ("no dist.all_reduce call was seen: call it as dist.all_reduce(...) (import torch.distributed as dist), "
+           "not a name imported from it: the checker counts the calls made through torch.distributed")
+
+
 def average_by_hand(path: str = "ex03a_average.py") -> None:
     """03a.2: ``average_gradients(model, world_size)`` in ``path`` leaves in every ``p.grad`` the mean
     over the ranks, with one all-reduce. Trains 3 steps on 2 ranks; compares both ranks with one
@@ -168,6 +172,7 @@ def average_by_hand(path: str = "ex03a_average.py") -> None:
     compare_with_reference(ex, load_params(result.run_dir, 2), cfg, unsynced="if you all-reduced a flat copy of "
                            "the gradients, copy the reduced pieces back into the p.grad tensors (g.copy_(...))")
     calls = result.values[0]["calls_per_step"]
+    require(any(calls), ex, _UNSEEN)
     require(calls == [1] * cfg.max_steps, ex, f"the values are right, with {calls} all-reduce calls per step: one "
                                               f"per parameter tensor; put every gradient in one flat tensor "
                                               f"(torch.cat of p.grad.flatten()), all-reduce it once, copy it back")
@@ -274,6 +279,7 @@ def overlap(path: str = "ex03a_overlap.py") -> None:
     function_from(path, "reduce_while_computing", ex)
     values = run_ranks(ex, overlap_worker, FileConfig(path=str(Path(path).resolve())), 2, name="overlap").values
     first = values[0]
+    require(first["calls"] != 0, ex, _UNSEEN)
     require(first["calls"] == 1, ex, f"rank 0 called dist.all_reduce {first['calls']} times: call it once")
     require(first["computed"] == 1, ex, f"rank 0 called compute() {first['computed']} times: call it once")
     require(first["in_flight"], ex, "when compute() started on rank 0 its all-reduce had already finished: call "

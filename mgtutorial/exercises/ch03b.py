@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import ddp, ddp_internals, env, runlog
 from ..launch import launch
+from ..run import WorkerFailed
 from ._common import ExerciseError, RankFailed, answered, function_from, passed, require, run_ranks
 from .ch03a import compare_with_reference, load_params, max_diff, patched, save_params
 
@@ -172,11 +173,16 @@ def no_sync_accumulation(path: str = "ex03b_accumulate.py", k: int = 3) -> None:
     try:  # the two runs side by side
         cfg = LearnerConfig(path=str(Path(path).resolve()), accumulation_steps=k, max_steps=4, **TINY)
         result = run_ranks(ex, accumulation_worker, cfg, 2, name="no-sync")
-        expected = [rec["allreduce_calls"] for rec in runlog.of_kind(read(reference_run.wait(timeout=60)), "sync")
-                    if rec["rank"] == 0]
-    except BaseException:
-        reference_run.stop()
-        raise
+        try:
+            reference = reference_run.wait(timeout=60)
+        except (WorkerFailed, TimeoutError) as e:
+            why = (f"rank {e.rank} failed with {e.exc_type}: {e.message[:200]}" if isinstance(e, WorkerFailed)
+                   else "it did not finish within 60 s")
+            raise ExerciseError(ex, f"the reference run failed ({why}): this is not your code; rerun the "
+                                    f"checker, and if it persists, tell the instructor") from e
+        expected = [rec["allreduce_calls"] for rec in runlog.of_kind(read(reference), "sync") if rec["rank"] == 0]
+    finally:
+        reference_run.stop()  # ends it if run_ranks or the wait raised
     calls = result.values[0]["calls"]
     require(calls == expected, ex, f"DDP all-reduced {calls} times per optimizer step with {k} micro-batches, "
                                    f"{expected} without accumulation: run every micro-batch but the last "

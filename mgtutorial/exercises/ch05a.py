@@ -10,6 +10,7 @@ thread per simulated agent), the command is read by torchrun's own parser
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shlex
@@ -208,14 +209,18 @@ def agent_store(predicted: dict) -> None:
     for mode in ("default", "disabled"):
         shutil.rmtree(runs / f"ex05a-store-{mode}", ignore_errors=True)
     extra = {"default": {}, "disabled": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
-    jobs = {mode: scale.simulated_nodes(["hello", "--backend", "gloo", "--runs-dir", str(runs), "--run-name",
-                                         f"ex05a-store-{mode}"], log_dir=runs / f"ex05a-store-{mode}-agents",
-                                        extra_env=env) for mode, env in extra.items()}
+    with contextlib.ExitStack() as stack:  # both jobs run at once; leaving stops every agent of both
+        jobs = {mode: stack.enter_context(scale.simulated_nodes(
+            ["hello", "--backend", "gloo", "--runs-dir", str(runs), "--run-name", f"ex05a-store-{mode}"],
+            log_dir=runs / f"ex05a-store-{mode}-agents", extra_env=env)) for mode, env in extra.items()}
+        try:
+            codes = {mode: agents.wait(timeout=90) for mode, agents in jobs.items()}
+        except TimeoutError as e:
+            raise ExerciseError(ex, f"the two-node jobs did not finish within 90 s ({e}): the machine may be "
+                                    f"busy, run the checker again; the agents' logs are in {runs}") from e
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     for mode, agents in jobs.items():
-        with agents:
-            codes = agents.wait(timeout=90)
-        require(codes == [0, 0], ex, f"the {mode} job failed (exit codes {codes}): see {agents.log_dir}")
+        require(codes[mode] == [0, 0], ex, f"the {mode} job failed (exit codes {codes[mode]}): see {agents.log_dir}")
         rec = next(r for r in runlog.read_run(runs / f"ex05a-store-{mode}") if r["kind"] == "hello" and r["rank"] == 1)
         seen = rec["env"]["TORCHELASTIC_USE_AGENT_STORE"]
         with mock.patch.dict(os.environ):  # torch's rule, applied to what rank 1 saw

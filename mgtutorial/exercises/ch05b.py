@@ -188,13 +188,18 @@ def last_step_skipped(predicted: dict) -> None:
     runs = [launch(scale.hang_worker, cfg, 2, runs_dir="runs/exercises", name=name, extra_env=extra)
             for name, extra in (("ex05b-last", {}), ("ex05b-last-detail", {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}))]
     errors = []
-    for run in runs:
-        try:
-            run.wait(timeout=60)
-            errors.append(None)
-        except WorkerFailed as e:
-            errors.append(e)
-        finally:
+    try:
+        for run in runs:
+            try:
+                run.wait(timeout=60)
+                errors.append(None)
+            except WorkerFailed as e:
+                errors.append(e)
+    except TimeoutError as e:
+        raise ExerciseError(ex, f"a job was still running after 60 s ({e}): its 2-s timeout should end it "
+                                f"long before; the machine may be busy, run the checker again") from e
+    finally:
+        for run in runs:  # both, whatever happened
             run.stop()
     plain, detail = errors
     require(plain is not None and detail is not None, ex, "a job finished without an error: is HangConfig "

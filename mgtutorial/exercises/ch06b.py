@@ -268,6 +268,9 @@ def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -
                     f"{', '.join(map(str, worlds))} and waited for ranks that never came: the world is the "
                     "processes actually started, not num_gpus × subnets (the article's flaw 2.2); read "
                     "WORLD_SIZE (env.world_size())")
+            require(sorted(r for *_, r in claims) != list(range(nprocs)), ex,
+                    f"every rank claimed a correct rank (0 … {nprocs - 1}, once each, in a world of {nprocs}); the "
+                    f"machine was too busy to meet the {cfg.timeout_s:g} s timeout: run the checker again")
             shown = ", ".join(f"node {n} part {p} → {r}" for n, p, _, r in claims)
             why = (": rank = part, the sub-network index, repeats node 0's ranks on node 1"
                    if all(p == r for _, p, _, r in claims) else "")

@@ -146,6 +146,56 @@ def test_make_student_again_keeps_the_previous_edition(tmp_path):
     assert (tmp_path / "student" / "00_x.ipynb").exists() and not (tmp_path / "student" / "answer.py").exists()
 
 
+def _one_notebook(src: Path, source: str = "# x") -> None:
+    src.mkdir(exist_ok=True)
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(source)]), src / "00_x.ipynb")
+
+
+def _files(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_make_student_refuses_a_malformed_solution_before_touching_the_edition(tmp_path):
+    src = tmp_path / "notebooks"
+    _one_notebook(src)
+    (src / "exercises").mkdir()
+    (src / "exercises" / "ex.py").write_text("x = 1\n")
+    edition.make_student(src, tmp_path / "student")
+    (tmp_path / "student" / "answer.py").write_text("a learner's answer")
+    before = _files(tmp_path / "student")
+    (src / "exercises" / "ex.py").write_text("# END SOLUTION\n")  # the .py files come after every notebook
+    with pytest.raises(ValueError, match=r"exercises/ex\.py: line 1 closes a solution that was never opened"):
+        edition.make_student(src, tmp_path / "student")
+    (src / "exercises" / "ex.py").write_text("x = 1\n")
+    _one_notebook(src, "# x\n<!-- BEGIN SOLUTION -->\nsecret")
+    with pytest.raises(ValueError, match="00_x.ipynb cell 0: the solution opened on line 2 is never closed"):
+        edition.make_student(src, tmp_path / "student")
+    assert _files(tmp_path / "student") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notebooks", "student"]
+
+
+def test_make_student_within_one_second_keeps_every_previous_edition(tmp_path, monkeypatch):
+    src = tmp_path / "notebooks"
+    _one_notebook(src)
+    monkeypatch.setattr(edition.time, "strftime", lambda fmt: "20260101-000000")  # every run in the same second
+    for n in range(3):
+        edition.make_student(src, tmp_path / "student")
+        (tmp_path / "student" / "answer.py").write_text(f"answer {n}")
+    kept = {p.name: (p / "answer.py").read_text() for p in tmp_path.iterdir() if "-previous-" in p.name}
+    assert kept == {"student-previous-20260101-000000": "answer 0", "student-previous-20260101-000000-2": "answer 1"}
+    assert (tmp_path / "student" / "answer.py").read_text() == "answer 2"
+
+
+def test_make_student_cli_reports_an_os_error(tmp_path, capsys, monkeypatch):
+    src = tmp_path / "notebooks"
+    _one_notebook(src)
+    edition.make_student(src, tmp_path / "student")
+    monkeypatch.setattr(Path, "rename", lambda self, target: (_ for _ in ()).throw(PermissionError(13, "denied", str(self))))
+    with pytest.raises(SystemExit) as exit_:
+        edition.main(["--src", str(src), "--out", str(tmp_path / "student")])
+    assert exit_.value.code == 1 and capsys.readouterr().err.startswith("error: [Errno 13] denied")
+
+
 # --- the transformation and the shared checker pieces --------------------------------------------
 
 SOURCE = """def f(x):

@@ -33,6 +33,18 @@ def pass_lines(cell) -> list[str]:
     return [line for line in _text(cell).splitlines() if line.startswith(PASS + " ")]
 
 
+def checker_cells(nb) -> list[int]:
+    """Indices (among the Exercises section's code cells) of the cells whose committed output has a ✓ line."""
+    section = [c for c in nb.cells[edition.exercises_start(nb):] if c.cell_type == "code"]
+    return [i for i, c in enumerate(section) if pass_lines(c)]
+
+
+def exercise_headings(nb) -> list[str]:
+    """The ``### Exercise`` heading lines of ``nb``'s Exercises section."""
+    return [line for c in nb.cells[edition.exercises_start(nb):] if c.cell_type == "markdown"
+            for line in c.source.splitlines() if line.startswith("### Exercise")]
+
+
 def run_section(nb, tmp_path: Path):
     """Execute the code cells of ``nb``'s Exercises section in a fresh kernel in ``tmp_path``."""
     start = edition.exercises_start(nb)
@@ -55,7 +67,7 @@ def errors(cell) -> list:
 def test_solutions_pass_and_starters_fail(path, tmp_path):
     instructor = nbformat.read(path, as_version=4)
     committed = [c for c in instructor.cells[edition.exercises_start(instructor):] if c.cell_type == "code"]
-    checkers = [i for i, c in enumerate(committed) if pass_lines(c)]
+    checkers = checker_cells(instructor)
     assert checkers, f"{path.name}: no exercise cell prints a {PASS} line in the committed notebook"
 
     solved = run_section(instructor, tmp_path / "instructor")
@@ -77,6 +89,23 @@ def test_solutions_pass_and_starters_fail(path, tmp_path):
         hint = errs[0].evalue
         assert hint.startswith(exercise + ": ") and len(hint) > len(exercise) + 20, \
             f"{path.name}: {exercise}'s starter fails without a specific hint: {hint!r}"
+
+
+@pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.stem)
+def test_every_exercise_has_a_checker_cell(path):
+    nb = nbformat.read(path, as_version=4)
+    headings, checkers = exercise_headings(nb), checker_cells(nb)
+    assert len(checkers) == len(headings), \
+        f"{path.name}: {len(headings)} '### Exercise' headings but {len(checkers)} checker cells (code cells " \
+        f"whose committed output has a {PASS} line): each exercise needs its checker, run in the committed " \
+        f"notebook; headings: {headings}"
+
+
+def test_the_course_has_as_many_checkers_as_exercises():
+    notebooks = [nbformat.read(p, as_version=4) for p in WITH_EXERCISES]
+    headings = sum(len(exercise_headings(nb)) for nb in notebooks)
+    assert headings >= 52, f"only {headings} '### Exercise' headings in the course (52 when this was written)"
+    assert sum(len(checker_cells(nb)) for nb in notebooks) == headings
 
 
 # --- the student edition ------------------------------------------------------------------------

@@ -56,7 +56,7 @@ class CheckConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value and its fix; called before any check runs."""
-        if self.nprocs < 1:
+        if isinstance(self.nprocs, bool) or not isinstance(self.nprocs, int) or self.nprocs < 1:
             raise ValueError(f"nprocs={self.nprocs}: the rank check needs at least 1 rank (try --nprocs 2)")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"timeout_s={self.timeout_s}: give the ranks a number of seconds > 0 (try --timeout 60)")
@@ -200,10 +200,21 @@ def check_gpu() -> Row:
 def run_checks(cfg: CheckConfig) -> list[Row]:
     """Every check, in the order the table shows them. Raises nothing: a check that breaks is a FAIL row,
     and so is one whose package (:data:`NEEDS`) is missing or does not import, naming it."""
-    spec, reqs = requirements()
-    errors = import_errors([r.name for r in reqs if r.name in IMPORTED and installed(r.name)])
+    try:
+        spec, reqs = requirements()
+    except Exception as exc:  # no pyproject.toml here and mgtutorial not installed (PackageNotFoundError), …
+        spec, reqs = "", []
+        first = Row("python", FAIL, f"the required packages are unknown: {type(exc).__name__}: {exc}"[:240],
+                    "run the check in the course folder (beside pyproject.toml), or pip install -e . there")
+    else:
+        first = None
+    probed = [r.name for r in reqs if r.name in IMPORTED and installed(r.name)]
+    try:
+        errors = import_errors(probed)
+    except Exception as exc:  # the probe interpreter could not even start
+        errors = dict.fromkeys(probed, f"the import probe failed: {type(exc).__name__}: {exc}"[:200])
     unusable = {r.name for r in reqs if r.name in IMPORTED and (r.name in errors or not installed(r.name))}
-    checks = [("python", lambda: check_python(spec)),
+    checks = [("python", lambda: first or check_python(spec)),
               *[(r.name, lambda r=r: check_package(r, errors.get(r.name, ""))) for r in reqs],
               ("cores, memory", check_machine), ("port", lambda: check_port(cfg.master_port)),
               ("ranks", lambda: check_ranks(cfg.nprocs, cfg.timeout_s, cfg.master_port)),

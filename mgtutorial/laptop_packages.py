@@ -95,8 +95,10 @@ def import_errors(names: list[str], timeout_s: float = 25.0) -> dict[str, str]:
     try:
         out = subprocess.run([sys.executable, "-c", _PROBE, *names], capture_output=True, text=True, timeout=timeout_s)
         stdout, end = out.stdout, f"importing it ended Python with exit code {out.returncode}"
-    except subprocess.TimeoutExpired as exc:  # run() has killed it; the output it kept is bytes
-        stdout, end = (exc.stdout or b"").decode(errors="replace"), f"importing it took over {timeout_s:g} s"
+    except subprocess.TimeoutExpired as exc:  # run() has killed it; what it kept is bytes (str on Windows)
+        kept = exc.stdout or ""
+        stdout = kept.decode(errors="replace") if isinstance(kept, bytes) else kept
+        end = f"importing it took over {timeout_s:g} s"
     done = dict((line.split(" ", 2)[1:] + [""])[:2] for line in stdout.splitlines() if line.startswith("imported "))
     untried = [n for n in names if n not in done]  # the first one stopped the interpreter
     return {**{n: why for n, why in done.items() if why},

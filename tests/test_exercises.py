@@ -33,6 +33,18 @@ def pass_lines(cell) -> list[str]:
     return [line for line in _text(cell).splitlines() if line.startswith(PASS + " ")]
 
 
+def checker_cells(nb) -> list[int]:
+    """Indices (among the Exercises section's code cells) of the cells whose committed output has a ✓ line."""
+    section = [c for c in nb.cells[edition.exercises_start(nb):] if c.cell_type == "code"]
+    return [i for i, c in enumerate(section) if pass_lines(c)]
+
+
+def exercise_headings(nb) -> list[str]:
+    """The ``### Exercise`` heading lines of ``nb``'s Exercises section."""
+    return [line for c in nb.cells[edition.exercises_start(nb):] if c.cell_type == "markdown"
+            for line in c.source.splitlines() if line.startswith("### Exercise")]
+
+
 def run_section(nb, tmp_path: Path):
     """Execute the code cells of ``nb``'s Exercises section in a fresh kernel in ``tmp_path``."""
     start = edition.exercises_start(nb)
@@ -55,7 +67,7 @@ def errors(cell) -> list:
 def test_solutions_pass_and_starters_fail(path, tmp_path):
     instructor = nbformat.read(path, as_version=4)
     committed = [c for c in instructor.cells[edition.exercises_start(instructor):] if c.cell_type == "code"]
-    checkers = [i for i, c in enumerate(committed) if pass_lines(c)]
+    checkers = checker_cells(instructor)
     assert checkers, f"{path.name}: no exercise cell prints a {PASS} line in the committed notebook"
 
     solved = run_section(instructor, tmp_path / "instructor")
@@ -77,6 +89,23 @@ def test_solutions_pass_and_starters_fail(path, tmp_path):
         hint = errs[0].evalue
         assert hint.startswith(exercise + ": ") and len(hint) > len(exercise) + 20, \
             f"{path.name}: {exercise}'s starter fails without a specific hint: {hint!r}"
+
+
+@pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.stem)
+def test_every_exercise_has_a_checker_cell(path):
+    nb = nbformat.read(path, as_version=4)
+    headings, checkers = exercise_headings(nb), checker_cells(nb)
+    assert len(checkers) == len(headings), \
+        f"{path.name}: {len(headings)} '### Exercise' headings but {len(checkers)} checker cells (code cells " \
+        f"whose committed output has a {PASS} line): each exercise needs its checker, run in the committed " \
+        f"notebook; headings: {headings}"
+
+
+def test_the_course_has_as_many_checkers_as_exercises():
+    notebooks = [nbformat.read(p, as_version=4) for p in WITH_EXERCISES]
+    headings = sum(len(exercise_headings(nb)) for nb in notebooks)
+    assert headings >= 52, f"only {headings} '### Exercise' headings in the course (52 when this was written)"
+    assert sum(len(checker_cells(nb)) for nb in notebooks) == headings
 
 
 # --- the student edition ------------------------------------------------------------------------
@@ -144,6 +173,56 @@ def test_make_student_again_keeps_the_previous_edition(tmp_path):
     previous = [p for p in tmp_path.iterdir() if p.name.startswith("student-previous-")]
     assert len(previous) == 1 and (previous[0] / "answer.py").read_text() == "a learner's answer"
     assert (tmp_path / "student" / "00_x.ipynb").exists() and not (tmp_path / "student" / "answer.py").exists()
+
+
+def _one_notebook(src: Path, source: str = "# x") -> None:
+    src.mkdir(exist_ok=True)
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(source)]), src / "00_x.ipynb")
+
+
+def _files(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_make_student_refuses_a_malformed_solution_before_touching_the_edition(tmp_path):
+    src = tmp_path / "notebooks"
+    _one_notebook(src)
+    (src / "exercises").mkdir()
+    (src / "exercises" / "ex.py").write_text("x = 1\n")
+    edition.make_student(src, tmp_path / "student")
+    (tmp_path / "student" / "answer.py").write_text("a learner's answer")
+    before = _files(tmp_path / "student")
+    (src / "exercises" / "ex.py").write_text("# END SOLUTION\n")  # the .py files come after every notebook
+    with pytest.raises(ValueError, match=r"exercises/ex\.py: line 1 closes a solution that was never opened"):
+        edition.make_student(src, tmp_path / "student")
+    (src / "exercises" / "ex.py").write_text("x = 1\n")
+    _one_notebook(src, "# x\n<!-- BEGIN SOLUTION -->\nsecret")
+    with pytest.raises(ValueError, match="00_x.ipynb cell 0: the solution opened on line 2 is never closed"):
+        edition.make_student(src, tmp_path / "student")
+    assert _files(tmp_path / "student") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notebooks", "student"]
+
+
+def test_make_student_within_one_second_keeps_every_previous_edition(tmp_path, monkeypatch):
+    src = tmp_path / "notebooks"
+    _one_notebook(src)
+    monkeypatch.setattr(edition.time, "strftime", lambda fmt: "20260101-000000")  # every run in the same second
+    for n in range(3):
+        edition.make_student(src, tmp_path / "student")
+        (tmp_path / "student" / "answer.py").write_text(f"answer {n}")
+    kept = {p.name: (p / "answer.py").read_text() for p in tmp_path.iterdir() if "-previous-" in p.name}
+    assert kept == {"student-previous-20260101-000000": "answer 0", "student-previous-20260101-000000-2": "answer 1"}
+    assert (tmp_path / "student" / "answer.py").read_text() == "answer 2"
+
+
+def test_make_student_cli_reports_an_os_error(tmp_path, capsys, monkeypatch):
+    src = tmp_path / "notebooks"
+    _one_notebook(src)
+    edition.make_student(src, tmp_path / "student")
+    monkeypatch.setattr(Path, "rename", lambda self, target: (_ for _ in ()).throw(PermissionError(13, "denied", str(self))))
+    with pytest.raises(SystemExit) as exit_:
+        edition.main(["--src", str(src), "--out", str(tmp_path / "student")])
+    assert exit_.value.code == 1 and capsys.readouterr().err.startswith("error: [Errno 13] denied")
 
 
 # --- the transformation and the shared checker pieces --------------------------------------------

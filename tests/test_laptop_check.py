@@ -298,3 +298,43 @@ def test_help_says_each_default_once(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: one the operating system picks)." in text and "(default: Jupyter's data path)." in text
     assert "(default: None)" not in text and text.count("(default:") == 5
+
+
+@pytest.mark.parametrize("output", [b"imported json \n", "imported json \n"],
+                         ids=["bytes", "str on Windows"])
+def test_a_timed_out_probe_reads_its_output_as_bytes_or_str(monkeypatch, output):
+    from mgtutorial import laptop_packages
+
+    def run(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"], output=output)
+
+    monkeypatch.setattr(laptop_packages.subprocess, "run", run)
+    assert lc.import_errors(["json", "hangs", "later"], timeout_s=5) == {
+        "hangs": "importing it took over 5 s", "later": "not tried (hangs stopped Python)"}
+
+
+def test_unknown_requirements_or_a_broken_probe_are_fail_rows_not_tracebacks(monkeypatch):
+    def not_installed():
+        raise metadata.PackageNotFoundError("mgtutorial")
+
+    monkeypatch.setattr(lc, "check_ranks", lambda *a: lc.Row("2 ranks", "pass", "not started in this test"))
+    monkeypatch.setattr(lc, "requirements", not_installed)
+    rows = {r.name: r for r in lc.run_checks(lc.CheckConfig())}
+    assert (rows["python"].status, rows["python"].detail) == (
+        "FAIL", "the required packages are unknown: PackageNotFoundError: No package metadata was found for mgtutorial")
+    assert "pip install -e ." in rows["python"].fix and rows["disk"].status == "pass" and list(rows)[-1] == "GPU"
+
+    monkeypatch.undo()
+    monkeypatch.setattr(lc, "check_ranks", lambda *a: lc.Row("2 ranks", "pass", "not started in this test"))
+    monkeypatch.setattr(lc, "import_errors", lambda names: [][0])
+    rows = {r.name: r for r in lc.run_checks(lc.CheckConfig())}
+    assert rows["torch"].status == "FAIL" and rows["torch"].detail.endswith(
+        "import torch fails: the import probe failed: IndexError: list index out of range")
+    assert rows["GPU"] == lc.Row("GPU", "FAIL", "not run: it needs torch (see above)",
+                                 "fix the torch row first, then run the check again")
+
+
+@pytest.mark.parametrize("nprocs", [True, 2.0, 0])
+def test_nprocs_that_is_not_a_positive_int_is_refused(nprocs):
+    with pytest.raises(ValueError, match=rf"nprocs={nprocs}: the rank check needs at least 1 rank"):
+        lc.CheckConfig(nprocs=nprocs).validate()

@@ -85,13 +85,15 @@ def make_student(src: str | Path = "notebooks", out: str | Path = "student") -> 
     """Write the student edition of every notebook in ``src`` (and of ``src/exercises/``) to ``out``.
 
     ``out`` is a folder of its own: new, or one this function wrote before (it holds the file
-    :data:`MARKER`). A previous edition is not deleted: it is moved to ``<out>-previous-<time>``, so
-    work the learners did in it is kept. Returns the files written.
+    :data:`MARKER`). Every file is built in memory first, so a malformed solution leaves ``out`` as it
+    was. A previous edition is not deleted: it is moved to ``<out>-previous-<time>`` (``-2``, ``-3`` ...
+    appended when that name is taken), so work the learners did in it is kept. Returns the files written.
 
     Raises:
         ValueError: ``src`` holds no notebook; ``out`` is ``src``, contains it or the current folder,
             or exists without being an earlier student edition (a file, or a folder of something
             else); a solution block is malformed (names the file and cell).
+        OSError: a file cannot be read or written.
     """
     src, out = Path(src).resolve(), Path(out).resolve()
     if not sorted(src.glob("*.ipynb")):
@@ -102,27 +104,49 @@ def make_student(src: str | Path = "notebooks", out: str | Path = "student") -> 
     if out.exists() and not (out / MARKER).is_file():
         raise ValueError(f"{out} exists and is not a student edition written here (no {MARKER}): "
                          "choose a new folder, or move that one away first")
+    edition = _edition(src)
     if out.exists():
-        kept = out.with_name(f"{out.name}-previous-{time.strftime('%Y%m%d-%H%M%S')}")
+        kept = _free_name(out.with_name(f"{out.name}-previous-{time.strftime('%Y%m%d-%H%M%S')}"))
         out.rename(kept)
         print(f"the previous edition, with any work done in it, was moved to {kept.name}/")
     out.mkdir(parents=True)
     (out / MARKER).write_text("written by python -m mgtutorial.exercises.edition; safe to replace\n")
     written = []
+    for rel, content in edition.items():
+        target = out / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, Path):
+            shutil.copy2(content, target)
+        else:
+            target.write_text(content)
+        written.append(target)
+    return written
+
+
+def _edition(src: Path) -> dict[Path, str | Path]:
+    """Every file of the student edition, built in memory: relative path -> text (or the file to copy).
+
+    Building it all before writing anything means a malformed solution block is refused while the
+    previous edition is still in place.
+    """
+    edition: dict[Path, str | Path] = {}
     for path in sorted(src.glob("*.ipynb")):
         nb = student_notebook(nbformat.read(path, as_version=4), where=path.name)
-        nbformat.write(nb, out / path.name)
-        written.append(out / path.name)
+        edition[Path(path.name)] = nbformat.writes(nb)
     for path in sorted((src / "exercises").rglob("*")) if (src / "exercises").is_dir() else []:
         if path.is_file() and "__pycache__" not in path.parts:
-            target = out / path.relative_to(src)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if path.suffix == ".py":
-                target.write_text(strip_solutions(path.read_text(), where=str(path.name))[0])
-            else:
-                shutil.copy2(path, target)
-            written.append(target)
-    return written
+            rel = path.relative_to(src)
+            edition[rel] = strip_solutions(path.read_text(), where=str(rel))[0] if path.suffix == ".py" else path
+    return edition
+
+
+def _free_name(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3`` ... : the first that does not exist yet."""
+    n, free = 1, path
+    while free.exists():
+        n += 1
+        free = path.with_name(f"{path.name}-{n}")
+    return free
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         written = make_student(args.src, args.out)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         parser.exit(1, f"error: {exc}\n")
     print(f"student edition: {len(written)} files in {args.out}/ (solutions removed, exercise outputs cleared)")
     return 0

@@ -60,7 +60,7 @@ chromium:
 	fi
 
 student: $(STAMP)  ## the student edition in student/ (solutions removed, exercise outputs cleared; an earlier one is moved aside)
-	$(PY) -m mgtutorial.exercises.edition --src notebooks --out student
+	$(PY) -m mgtutorial.workshop.edition --src notebooks --out student
 
 clean-runs:  ## delete run directories (logs, checkpoints, plots)
 	rm -rf runs notebooks/runs student/runs

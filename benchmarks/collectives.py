@@ -2,7 +2,7 @@
 
 Benchmark for notebooks/09_performance.ipynb. For each collective and size it reports nccl-tests'
 ``algbw`` and ``busbw`` (bytes/s) and ``time_s`` (median over repeats of the slowest rank), and
-fits ``t = α + β·S`` per collective (:func:`mgtutorial.costmodel.fit_alpha_beta`). Run, not
+fits ``t = α + β·S`` per collective (:func:`mgtutorial.perf.costmodel.fit_alpha_beta`). Run, not
 asserted on::
 
     python benchmarks/collectives.py --out benchmarks/results/collectives.json            # 2 ranks, gloo
@@ -27,8 +27,10 @@ from pathlib import Path
 
 import torch
 
-from mgtutorial import costmodel as cm
-from mgtutorial import env, launch, perf
+from mgtutorial import launch
+from mgtutorial.perf import costmodel as cm
+from mgtutorial.perf import timing as perf
+from mgtutorial.runtime import env
 
 SIZES = [4 * 1024 * 4**i for i in range(8)]  # 4 KiB … 64 MiB
 
@@ -39,14 +41,20 @@ def report(records: list[dict]) -> dict:
     for r in records:
         n, op = r["world_size"], r["op"]
         entry = out.setdefault(str(n), {}).setdefault(op, {"points": []})
-        entry["points"].append({"nbytes": r["nbytes"], "time_s": r["time_s"],
-                                "algbw": cm.algbw(r["nbytes"], r["time_s"]),
-                                "busbw": cm.busbw(op, r["nbytes"], r["time_s"], n)})
+        entry["points"].append(
+            {
+                "nbytes": r["nbytes"],
+                "time_s": r["time_s"],
+                "algbw": cm.algbw(r["nbytes"], r["time_s"]),
+                "busbw": cm.busbw(op, r["nbytes"], r["time_s"], n),
+            }
+        )
     for ops in out.values():
         for entry in ops.values():
             pts = entry["points"]
             entry["alpha_s"], entry["beta_s_per_byte"] = cm.fit_alpha_beta(
-                [p["nbytes"] for p in pts], [p["time_s"] for p in pts])
+                [p["nbytes"] for p in pts], [p["time_s"] for p in pts]
+            )
     return out
 
 
@@ -56,18 +64,27 @@ def print_table(results: dict) -> None:
         print(f"{'size':>10}" + "".join(f"{op:>22}" for op in ops))
         sizes = [p["nbytes"] for p in next(iter(ops.values()))["points"]]
         for i, s in enumerate(sizes):
-            cells = "".join(f"{o['points'][i]['busbw'] / 1e9:>12.3f} ({o['points'][i]['time_s'] * 1e3:7.2f})"
-                            for o in ops.values())
+            cells = "".join(
+                f"{o['points'][i]['busbw'] / 1e9:>12.3f} ({o['points'][i]['time_s'] * 1e3:7.2f})"
+                for o in ops.values()
+            )
             print(f"{s / 1024:>8.0f}Ki" + cells)
         print(f"{'α (µs)':>10}" + "".join(f"{o['alpha_s'] * 1e6:>22.1f}" for o in ops.values()))
-        print(f"{'1/β (GB/s)':>10}" + "".join(f"{1 / o['beta_s_per_byte'] / 1e9:>22.3f}" for o in ops.values()))
+        print(
+            f"{'1/β (GB/s)':>10}"
+            + "".join(f"{1 / o['beta_s_per_byte'] / 1e9:>22.3f}" for o in ops.values())
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--nprocs", type=int, nargs="+", default=[2], help="world sizes to sweep (launch only)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed calls per point (median kept)")
+    parser.add_argument(
+        "--nprocs", type=int, nargs="+", default=[2], help="world sizes to sweep (launch only)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=7, help="timed calls per point (median kept)"
+    )
     parser.add_argument("--max-mib", type=float, default=64, help="largest size in MiB")
     args = parser.parse_args()
     sizes = [s for s in SIZES if s <= args.max_mib * 1024 * 1024]
@@ -82,19 +99,33 @@ def main() -> int:
         records = []
         with tempfile.TemporaryDirectory(prefix="mgtutorial-coll-") as tmp:
             for n in args.nprocs:
-                records += launch(perf.sweep_worker, cfg, n, runs_dir=tmp, threads_per_rank=1).wait().values[0]
+                records += (
+                    launch(perf.sweep_worker, cfg, n, runs_dir=tmp, threads_per_rank=1)
+                    .wait()
+                    .values[0]
+                )
     results = report(records)
     print_table(results)
     first = results[min(results, key=int)]["all_reduce"]
-    out = {"alpha_s": first["alpha_s"], "beta_s_per_byte": first["beta_s_per_byte"], "results": results,
-           "backend": env.resolve_backend("auto", int(min(results, key=int))), "repeats": args.repeats,
-           "torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
-           "wall_s": time.monotonic() - start, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "note": "measured, not asserted on; numbers depend on the machine and its load."}
+    out = {
+        "alpha_s": first["alpha_s"],
+        "beta_s_per_byte": first["beta_s_per_byte"],
+        "results": results,
+        "backend": env.resolve_backend("auto", int(min(results, key=int))),
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "wall_s": time.monotonic() - start,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "note": "measured, not asserted on; numbers depend on the machine and its load.",
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\nall-reduce fit: α = {out['alpha_s'] * 1e6:.1f} µs, β = {out['beta_s_per_byte'] * 1e9:.3f} ns/byte; "
-          f"wrote {args.out}")
+    print(
+        f"\nall-reduce fit: α = {out['alpha_s'] * 1e6:.1f} µs, β = {out['beta_s_per_byte'] * 1e9:.3f} ns/byte; "
+        f"wrote {args.out}"
+    )
     return 0
 
 

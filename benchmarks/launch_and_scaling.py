@@ -16,7 +16,7 @@ https://pytorch.org/docs/stable/elastic/run.html (torchrun). CPU, gloo, one thre
     torchrun_s     ``torchrun --standalone --nproc-per-node 2 -m mgtutorial ddp ...`` as a subprocess
 
     Each is the time from the call to the ``kind == "train", step == 1`` record of any rank in
-    ``rank*.jsonl`` (read with :class:`mgtutorial.runlog.RunReader`; the record's own ``time`` stamp,
+    ``rank*.jsonl`` (read with :class:`mgtutorial.runtime.runlog.RunReader`; the record's own ``time`` stamp,
     so the polling period does not count). It includes interpreter start, ``import torch``, the
     rendezvous, ``init_process_group``, loading the data, building and wrapping the model and one
     step with its all-reduces. Every run is then waited for.
@@ -59,8 +59,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from mgtutorial import ddp, runlog
-from mgtutorial.launch import free_port, launch
+from mgtutorial import ddp
+from mgtutorial.runtime import runlog
+from mgtutorial.runtime.launcher import free_port, launch
 
 NPROCS = 2
 POLL_S = 0.02
@@ -74,12 +75,19 @@ def latency_config() -> ddp.DDPConfig:
 
 def spawn_rank(local_rank: int, cfg_dict: dict, world_size: int, port: int, run_dir: str) -> None:
     """``torch.multiprocessing.spawn`` target: set the torchrun environment, run ``ddp.worker``."""
-    os.environ.update({
-        "RANK": str(local_rank), "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        runlog.RUN_DIR_ENV: run_dir, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-    })
+    os.environ.update(
+        {
+            "RANK": str(local_rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            runlog.RUN_DIR_ENV: run_dir,
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     for fd, stream in ((1, "out"), (2, "err")):  # like launch(): rank<r>.out|.err, not our table
         with open(Path(run_dir) / f"rank{local_rank}.{stream}", "ab") as f:
             os.dup2(f.fileno(), fd)
@@ -110,8 +118,9 @@ def wait_first_step(run_dir: Path, t0: float, alive, timeout: float = RUN_TIMEOU
 def time_launch(tmp: Path) -> float:
     """(a) via ``mgtutorial.launch``."""
     t0 = time.time()
-    run = launch(ddp.worker, latency_config(), NPROCS, runs_dir=tmp, name="launch",
-                 threads_per_rank=1)
+    run = launch(
+        ddp.worker, latency_config(), NPROCS, runs_dir=tmp, name="launch", threads_per_rank=1
+    )
     try:
         try:
             dt = wait_first_step(run.run_dir, t0, lambda: run.alive() > 0)
@@ -127,8 +136,12 @@ def time_launch(tmp: Path) -> float:
 
 def time_launch_cold(tmp: Path) -> float:
     """(a) via ``mgtutorial.launch`` as the first launch of a fresh Python process."""
-    out = subprocess.run([sys.executable, __file__, "--cold-once", str(tmp)], capture_output=True,
-                         text=True, timeout=RUN_TIMEOUT_S)
+    out = subprocess.run(
+        [sys.executable, __file__, "--cold-once", str(tmp)],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"the cold launch failed:\n{out.stderr[-3000:]}")
     return float(out.stdout.strip().splitlines()[-1])
@@ -140,8 +153,14 @@ def time_mp_spawn(tmp: Path) -> float:
     run_dir.mkdir()
     cfg = dataclasses.asdict(latency_config())
     t0 = time.time()
-    ctx = mp.spawn(spawn_rank, args=(cfg, NPROCS, free_port(), str(run_dir)), nprocs=NPROCS,
-                   join=False, daemon=True, start_method="spawn")  # daemon: ended if we exit
+    ctx = mp.spawn(
+        spawn_rank,
+        args=(cfg, NPROCS, free_port(), str(run_dir)),
+        nprocs=NPROCS,
+        join=False,
+        daemon=True,
+        start_method="spawn",
+    )  # daemon: ended if we exit
     try:
         try:
             dt = wait_first_step(run_dir, t0, lambda: any(p.is_alive() for p in ctx.processes))
@@ -169,16 +188,35 @@ def time_torchrun(tmp: Path) -> float:
     torchrun = Path(sys.executable).with_name("torchrun")
     name = f"torchrun-{time.time_ns()}"
     cfg = latency_config()
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(NPROCS), "-m", "mgtutorial", "ddp",
-           "--dataset", cfg.dataset, "--max-steps", str(cfg.max_steps), "--epochs", "1",
-           "--backend", cfg.backend, "--runs-dir", str(tmp), "--run-name", name]
+    cmd = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        str(NPROCS),
+        "-m",
+        "mgtutorial",
+        "ddp",
+        "--dataset",
+        cfg.dataset,
+        "--max-steps",
+        str(cfg.max_steps),
+        "--epochs",
+        "1",
+        "--backend",
+        cfg.backend,
+        "--runs-dir",
+        str(tmp),
+        "--run-name",
+        name,
+    ]
     # The CLI has no switch for evaluate=False: torchrun's ranks also score the test set once after
     # step 5 and rank 0 draws loss.png. Neither happens before step 1, so the timing is comparable.
     envs = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     with open(tmp / f"{name}.log", "wb") as log:
         t0 = time.time()
-        proc = subprocess.Popen(cmd, env=envs, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=envs, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             try:
                 dt = wait_first_step(tmp / name, t0, lambda: proc.poll() is None)
@@ -212,8 +250,9 @@ def _kill_group(proc: subprocess.Popen, sig: int) -> None:
 
 def throughput(tmp: Path, nprocs: int, epochs_per_rank: int) -> float:
     """(b) samples/s summed over ranks for ``nprocs`` ranks, each training the same number of steps."""
-    cfg = ddp.DDPConfig(dataset="digits", epochs=epochs_per_rank * nprocs, evaluate=False,
-                        backend="gloo")
+    cfg = ddp.DDPConfig(
+        dataset="digits", epochs=epochs_per_rank * nprocs, evaluate=False, backend="gloo"
+    )
     run = launch(ddp.worker, cfg, nprocs, runs_dir=tmp, name=f"tput{nprocs}", threads_per_rank=1)
     try:
         result = run.wait(timeout=RUN_TIMEOUT_S)
@@ -231,55 +270,99 @@ def print_table(rows: list[tuple[str, str, dict]]) -> None:
     print(f"\n{'measurement':<34}{'unit':<10}{'median':>10}{'min':>10}{'max':>10}")
     print("-" * 74)
     for label, unit, s in rows:
-        print(f"{label:<34}{unit:<10}" + "".join(f"{s[k]:>10.3f}" for k in ("median", "min", "max")))
+        print(
+            f"{label:<34}{unit:<10}" + "".join(f"{s[k]:>10.3f}" for k in ("median", "min", "max"))
+        )
 
 
 def batch_sweep(batches: list[int], repeats: int) -> dict:
     """(c) ``ceiling_2v1`` and ``scaling_2v1_by_batch`` (chapter 09), in one run.
 
-    Per repeat, one 2-rank job of :func:`mgtutorial.perf.step_worker` on digits; for each per-rank
+    Per repeat, one 2-rank job of :func:`mgtutorial.perf.timing.step_worker` on digits; for each per-rank
     batch in turn: rank 0 training alone (rank 1 idle at a barrier), both ranks training
     independently at once (no DDP, no collectives: the ceiling), then DDP on both. Interleaving
     the three per batch lets a drifting machine load touch them alike. Ratios by
-    :func:`mgtutorial.costmodel.scaling_ratios`; medians over repeats.
+    :func:`mgtutorial.perf.costmodel.scaling_ratios`; medians over repeats.
     """
-    from mgtutorial import costmodel, perf
+    from mgtutorial.perf import costmodel
+    from mgtutorial.perf import timing as perf
 
-    cfg = perf.StepConfig(dataset="digits", backend="gloo", warmup=3, steps=15,
-                          variants=[{"batch_size": b, "mode": m} for b in batches for m in ("alone", "independent", "ddp")])
+    cfg = perf.StepConfig(
+        dataset="digits",
+        backend="gloo",
+        warmup=3,
+        steps=15,
+        variants=[
+            {"batch_size": b, "mode": m} for b in batches for m in ("alone", "independent", "ddp")
+        ],
+    )
     per_repeat = []
     tmp = Path(tempfile.mkdtemp(prefix="mgtutorial-batch-"))
     try:
         for i in range(repeats):
-            values = launch(perf.step_worker, cfg, 2, runs_dir=tmp, threads_per_rank=1).wait(timeout=RUN_TIMEOUT_S).values
+            values = (
+                launch(perf.step_worker, cfg, 2, runs_dir=tmp, threads_per_rank=1)
+                .wait(timeout=RUN_TIMEOUT_S)
+                .values
+            )
             per_repeat.append(costmodel.scaling_ratios(values))
-            print(f"[batch sweep {i + 1}/{repeats}] " + ", ".join(
-                f"b={r['batch_size']}: {r['scaling_2v1']:.2f}/{r['ceiling_2v1']:.2f}" for r in per_repeat[-1]), flush=True)
+            print(
+                f"[batch sweep {i + 1}/{repeats}] "
+                + ", ".join(
+                    f"b={r['batch_size']}: {r['scaling_2v1']:.2f}/{r['ceiling_2v1']:.2f}"
+                    for r in per_repeat[-1]
+                ),
+                flush=True,
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    med = {key: {str(b): statistics.median(rep[j][key] for rep in per_repeat) for j, b in enumerate(batches)}
-           for key in ("ceiling_2v1", "scaling_2v1", "fraction")}
+    med = {
+        key: {
+            str(b): statistics.median(rep[j][key] for rep in per_repeat)
+            for j, b in enumerate(batches)
+        }
+        for key in ("ceiling_2v1", "scaling_2v1", "fraction")
+    }
     ceiling = statistics.median(r["ceiling_2v1"] for rep in per_repeat for r in rep)
     best = max(med["scaling_2v1"], key=med["scaling_2v1"].get)
     print(f"\n{'per-rank batch':<16}{'scaling_2v1':>12}{'ceiling_2v1':>12}{'fraction':>10}")
     for b in map(str, batches):
-        print(f"{b:<16}{med['scaling_2v1'][b]:>12.3f}{med['ceiling_2v1'][b]:>12.3f}{med['fraction'][b]:>10.3f}")
-    return {"ceiling_2v1": ceiling, "ceiling_2v1_by_batch": med["ceiling_2v1"],
-            "scaling_2v1_by_batch": med["scaling_2v1"], "best_batch": int(best),
-            "raw_batch_sweep": per_repeat,
-            "aim_best_scaling_ge_0.9_ceiling": med["scaling_2v1"][best] >= 0.9 * ceiling}
+        print(
+            f"{b:<16}{med['scaling_2v1'][b]:>12.3f}{med['ceiling_2v1'][b]:>12.3f}{med['fraction'][b]:>10.3f}"
+        )
+    return {
+        "ceiling_2v1": ceiling,
+        "ceiling_2v1_by_batch": med["ceiling_2v1"],
+        "scaling_2v1_by_batch": med["scaling_2v1"],
+        "best_batch": int(best),
+        "raw_batch_sweep": per_repeat,
+        "aim_best_scaling_ge_0.9_ceiling": med["scaling_2v1"][best] >= 0.9 * ceiling,
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON file to write (required)")
-    parser.add_argument("--cold-once", metavar="TMP", help=argparse.SUPPRESS)  # see time_launch_cold
-    parser.add_argument("--repeats", type=int, default=5, help="runs per measurement (median taken)")
-    parser.add_argument("--epochs", type=int, default=6,
-                        help="passes over digits per rank-equivalent in (b): 1 rank trains EPOCHS "
-                             "epochs, 2 ranks 2×EPOCHS (each rank the same number of steps)")
-    parser.add_argument("--batches", type=int, nargs="*", default=[32, 64, 128, 256],
-                        help="(c) per-rank batch sizes of the ceiling/scaling sweep (none: skip it)")
+    parser.add_argument(
+        "--cold-once", metavar="TMP", help=argparse.SUPPRESS
+    )  # see time_launch_cold
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="runs per measurement (median taken)"
+    )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=6,
+        help="passes over digits per rank-equivalent in (b): 1 rank trains EPOCHS "
+        "epochs, 2 ranks 2×EPOCHS (each rank the same number of steps)",
+    )
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="*",
+        default=[32, 64, 128, 256],
+        help="(c) per-rank batch sizes of the ceiling/scaling sweep (none: skip it)",
+    )
     args = parser.parse_args()
     if args.cold_once:
         print(time_launch(Path(args.cold_once)))
@@ -311,27 +394,36 @@ def main() -> int:
                 value = measure(tmp)
                 raw[key].append(value)
                 unit = "samples/s" if key.startswith("samples") else "s"
-                print(f"[repeat {i + 1}/{args.repeats}] {key:<22} {value:10.3f} {unit}"
-                      f"   ({time.monotonic() - start:.0f} s elapsed)", flush=True)
+                print(
+                    f"[repeat {i + 1}/{args.repeats}] {key:<22} {value:10.3f} {unit}"
+                    f"   ({time.monotonic() - start:.0f} s elapsed)",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     wall = time.monotonic() - start
 
     stats = {k: summary(v) for k, v in raw.items()}
-    ratios = [two / one for one, two in zip(raw["samples_per_s_1rank"], raw["samples_per_s_2ranks"])]
+    ratios = [
+        two / one for one, two in zip(raw["samples_per_s_1rank"], raw["samples_per_s_2ranks"])
+    ]
     scaling = stats["samples_per_s_2ranks"]["median"] / stats["samples_per_s_1rank"]["median"]
-    print_table([
-        ("(a) launch() cold → first step", "s", stats["launch_cold_s"]),
-        ("(a) launch() warm → first step", "s", stats["launch_warm_s"]),
-        ("(a) mp.spawn → first step", "s", stats["mp_spawn_s"]),
-        ("(a) torchrun → first step", "s", stats["torchrun_s"]),
-        ("(b) DDP throughput, 1 rank", "samples/s", stats["samples_per_s_1rank"]),
-        ("(b) DDP throughput, 2 ranks", "samples/s", stats["samples_per_s_2ranks"]),
-        ("(b) scaling 2 ranks / 1 rank *", "×", {**summary(ratios), "median": scaling}),
-    ])
+    print_table(
+        [
+            ("(a) launch() cold → first step", "s", stats["launch_cold_s"]),
+            ("(a) launch() warm → first step", "s", stats["launch_warm_s"]),
+            ("(a) mp.spawn → first step", "s", stats["mp_spawn_s"]),
+            ("(a) torchrun → first step", "s", stats["torchrun_s"]),
+            ("(b) DDP throughput, 1 rank", "samples/s", stats["samples_per_s_1rank"]),
+            ("(b) DDP throughput, 2 ranks", "samples/s", stats["samples_per_s_2ranks"]),
+            ("(b) scaling 2 ranks / 1 rank *", "×", {**summary(ratios), "median": scaling}),
+        ]
+    )
     print("* median column: ratio of the medians; min/max: over the per-repeat ratios.")
-    print(f"{args.repeats} repeat(s), {wall:.0f} s wall, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, gloo, 1 thread per rank.")
+    print(
+        f"{args.repeats} repeat(s), {wall:.0f} s wall, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs, gloo, 1 thread per rank."
+    )
 
     report = {
         "launch_cold_s": stats["launch_cold_s"]["median"],
@@ -356,17 +448,19 @@ def main() -> int:
         "wall_s": wall,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "aims": {
-            "launch_warm_s <= 0.1 x mp_spawn_s":
-                stats["launch_warm_s"]["median"] <= 0.1 * stats["mp_spawn_s"]["median"],
-            "launch_cold_s <= 1.0 x mp_spawn_s":
-                stats["launch_cold_s"]["median"] <= stats["mp_spawn_s"]["median"],
+            "launch_warm_s <= 0.1 x mp_spawn_s": stats["launch_warm_s"]["median"]
+            <= 0.1 * stats["mp_spawn_s"]["median"],
+            "launch_cold_s <= 1.0 x mp_spawn_s": stats["launch_cold_s"]["median"]
+            <= stats["mp_spawn_s"]["median"],
             "scaling_2v1 >= 1.85": scaling >= 1.85,
         },
         "note": "measured, not asserted on; numbers depend on the machine and its load.",
     }
     if args.batches:
         sweep = batch_sweep(args.batches, args.repeats)
-        report["aims"]["best scaling_2v1_by_batch >= 0.9 × ceiling_2v1"] = sweep.pop("aim_best_scaling_ge_0.9_ceiling")
+        report["aims"]["best scaling_2v1_by_batch >= 0.9 × ceiling_2v1"] = sweep.pop(
+            "aim_best_scaling_ge_0.9_ceiling"
+        )
         report.update(sweep)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

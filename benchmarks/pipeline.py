@@ -3,7 +3,7 @@
 Benchmark for notebooks/04_model_parallel.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.pipelining.html (ScheduleGPipe, Schedule1F1B).
 
-Each configuration is one launch of :func:`mgtutorial.pipeline.worker` (2 ranks = 2 stages, gloo, one
+Each configuration is one launch of :func:`mgtutorial.pipeline.schedules.worker` (2 ranks = 2 stages, gloo, one
 thread per rank) on an MLP whose two stages cost the same (``--width`` wide, 2 layers per stage), so
 the measured bubble can be held against the ideal (p − 1)/(m + p − 1):
 
@@ -38,9 +38,10 @@ import time
 
 import torch
 
-from mgtutorial import launch, runlog
-from mgtutorial import pipeline as P
-from mgtutorial import timeline as T
+from mgtutorial import launch
+from mgtutorial.pipeline import schedules as P
+from mgtutorial.pipeline import timeline as T
+from mgtutorial.runtime import runlog
 
 MICROBATCHES = (1, 2, 4, 8)
 
@@ -48,38 +49,61 @@ MICROBATCHES = (1, 2, 4, 8)
 def measure(schedule: str, m: int, args, runs_dir: str) -> tuple[float, float, float, float]:
     """(samples/s, bubble fraction, model bubble, mean delay per box in s) of one run, each the median
     over the measured steps (the model: ``T.step_costs``, the formula with the step's delay per box)."""
-    cfg = P.PipelineConfig(schedule=schedule, n_microbatches=m, batch_size=args.batch_size,
-                           steps=args.warmup + args.steps, sizes=[args.width] * 5, save_params=False,
-                           backend="gloo", input_grad=True)
+    cfg = P.PipelineConfig(
+        schedule=schedule,
+        n_microbatches=m,
+        batch_size=args.batch_size,
+        steps=args.warmup + args.steps,
+        sizes=[args.width] * 5,
+        save_params=False,
+        backend="gloo",
+        input_grad=True,
+    )
     run = launch(P.worker, cfg, 2, runs_dir=runs_dir, threads_per_rank=1)
     try:
         result = run.wait(timeout=600)
     finally:
         if run.status == "running":
             run.stop()
-    times = result.values[0]["step_times_s"][args.warmup:]
+    times = result.values[0]["step_times_s"][args.warmup :]
     records = runlog.read_run(run.run_dir)
     by = "rank" if schedule == "interleaved" else "stage"
     steps, v = range(args.warmup + 1, cfg.steps + 1), 2 if schedule == "interleaved" else 1
     bubble = T.median_over_steps(records, lambda evs: T.bubble_measured(evs, by=by), steps)
-    model, delay = (T.median_over_steps(records, lambda evs: T.step_costs(evs, by, v)[k], steps) for k in ("model", "delay"))
+    model, delay = (
+        T.median_over_steps(records, lambda evs: T.step_costs(evs, by, v)[k], steps)
+        for k in ("model", "delay")
+    )
     return args.batch_size / statistics.median(times), bubble, model, delay
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--batch-size", type=int, default=512, help="samples per step (whole pipeline)")
+    parser.add_argument(
+        "--batch-size", type=int, default=512, help="samples per step (whole pipeline)"
+    )
     parser.add_argument("--width", type=int, default=1024, help="layer width of the balanced MLP")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per configuration")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out at the start")
     args = parser.parse_args()
 
-    out = {"naive": {}, "gpipe": {}, "1f1b": {}, "interleaved": {},
-           "bubble_measured": {"gpipe": {}, "1f1b": {}, "interleaved": {}},
-           "bubble_model": {"gpipe": {}, "1f1b": {}, "interleaved": {}}, "delay_ms": {"gpipe": {}, "1f1b": {}, "interleaved": {}},
-           "bubble_formula": {}, "settings": vars(args), "torch": torch.__version__,
-           "load_average_1min_start": os.getloadavg()[0], "cpu_count": os.cpu_count()}
+    out = {
+        "naive": {},
+        "gpipe": {},
+        "1f1b": {},
+        "interleaved": {},
+        "bubble_measured": {"gpipe": {}, "1f1b": {}, "interleaved": {}},
+        "bubble_model": {"gpipe": {}, "1f1b": {}, "interleaved": {}},
+        "delay_ms": {"gpipe": {}, "1f1b": {}, "interleaved": {}},
+        "bubble_formula": {},
+        "settings": vars(args),
+        "torch": torch.__version__,
+        "load_average_1min_start": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
+    }
     started = time.time()
     with tempfile.TemporaryDirectory() as runs_dir:
         naive, naive_bubble, _, _ = measure("gpipe", 1, args, runs_dir)
@@ -94,22 +118,32 @@ def main() -> None:
                 out[schedule][m] = rate
                 out["bubble_measured"][schedule][m] = bubble
                 out["bubble_model"][schedule][m], out["delay_ms"][schedule][m] = model, 1e3 * delay
-                formula = T.bubble_formula(2, m, stages_per_rank=2 if schedule == "interleaved" else 1)
-                print(f"{schedule:>11} m={m}: {rate:8.0f} samples/s, bubble {bubble:.3f} "
-                      f"(formula {formula:.3f}, model {model:.3f}, delay per box {1e3 * delay:.1f} ms)", flush=True)
+                formula = T.bubble_formula(
+                    2, m, stages_per_rank=2 if schedule == "interleaved" else 1
+                )
+                print(
+                    f"{schedule:>11} m={m}: {rate:8.0f} samples/s, bubble {bubble:.3f} "
+                    f"(formula {formula:.3f}, model {model:.3f}, delay per box {1e3 * delay:.1f} ms)",
+                    flush=True,
+                )
     out["speedup_gpipe_m8_vs_naive"] = out["gpipe"][8] / naive
-    out["bubble_max_abs_error_gpipe"] = max(abs(out["bubble_measured"]["gpipe"][m] - out["bubble_formula"][m])
-                                            for m in MICROBATCHES)
+    out["bubble_max_abs_error_gpipe"] = max(
+        abs(out["bubble_measured"]["gpipe"][m] - out["bubble_formula"][m]) for m in MICROBATCHES
+    )
     out["wall_s"] = time.time() - started
     out["load_average_1min_end"] = os.getloadavg()[0]
 
     print(f"\n{'m':>3} {'naive':>9} {'gpipe':>9} {'1f1b':>9} {'bubble gpipe':>13} {'formula':>8}")
     for m in MICROBATCHES:
         f1 = f"{out['1f1b'][m]:9.0f}" if m in out["1f1b"] else f"{'—':>9}"
-        print(f"{m:>3} {out['naive'][m]:9.0f} {out['gpipe'][m]:9.0f} {f1} "
-              f"{out['bubble_measured']['gpipe'][m]:13.3f} {out['bubble_formula'][m]:8.3f}")
-    print(f"GPipe m=8 vs naive: {out['speedup_gpipe_m8_vs_naive']:.2f}× (ideal 1.78×); "
-          f"largest bubble error {out['bubble_max_abs_error_gpipe']:.3f}; {out['wall_s']:.0f} s")
+        print(
+            f"{m:>3} {out['naive'][m]:9.0f} {out['gpipe'][m]:9.0f} {f1} "
+            f"{out['bubble_measured']['gpipe'][m]:13.3f} {out['bubble_formula'][m]:8.3f}"
+        )
+    print(
+        f"GPipe m=8 vs naive: {out['speedup_gpipe_m8_vs_naive']:.2f}× (ideal 1.78×); "
+        f"largest bubble error {out['bubble_max_abs_error_gpipe']:.3f}; {out['wall_s']:.0f} s"
+    )
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
 

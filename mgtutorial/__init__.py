@@ -1,58 +1,65 @@
 """mgtutorial: multi-GPU training in PyTorch, taught chapter by chapter (see notebooks/).
 
-The public API, re-exported from the modules that define it. Every name is imported on first use
-(PEP 562), so ``import mgtutorial`` loads neither torch nor psutil: ``python -m mgtutorial check``
-can then report a missing or broken torch as a row instead of a traceback, and ranks load only what
-their worker needs. Submodules work as usual (``from mgtutorial import ddp``, ``import mgtutorial.ddp``).
+The layout (README's "Layout" section has the whole tree):
+
+- ``runtime/``: the engine, which knows no lesson: rank and device (``env``), starting ranks
+  (``launcher``, ``run``), the records ranks write (``runlog``), live plots (``live``), finding a job's
+  processes (``procs``), ``%%ranks`` (``ranks_magic``).
+- ``common/``: what every chapter shares: configuration checks, data, models, checkpoints,
+  comparisons with a single-process reference.
+- one subpackage per strategy: ``ddp`` (chapters 01–03b), ``pipeline`` (04), ``scale`` (05a–05b),
+  ``article`` (06a–06b), ``sharding`` (07), ``tensor_parallel`` (08), ``perf`` (09).
+- ``exercises/`` (the checkers, one module per notebook) and ``workshop/`` (laptop check, student
+  edition).
+
+The public API below is imported on first use (PEP 562), so ``import mgtutorial`` loads neither
+torch nor psutil: ``python -m mgtutorial check`` can then report a missing torch as a row.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import sys
-import types
 
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _LAZY = {
-    "load_dataset": "data", "train_loader": "data",
-    "load_checkpoint": "checkpoint", "save_checkpoint": "checkpoint",
-    "DDPConfig": "ddp", "Trainer": "ddp",
-    "describe": "env", "resolve_backend": "env",
-    "WorkerNotImportable": "launch", "launch": "launch",
-    "ArticleCNN": "models", "ArticleMLP": "models", "cnn_flatten_size": "models",
-    "LogReader": "runlog", "RunLog": "runlog", "RunReader": "runlog", "read_run": "runlog",
-    "LivePlot": "live", "loss_figure": "live", "watch": "live",
-    "Run": "run", "RunResult": "run", "WorkerFailed": "run",
+    "load_dataset": "common.data",
+    "train_loader": "common.data",
+    "load_checkpoint": "common.checkpoint",
+    "save_checkpoint": "common.checkpoint",
+    "ArticleCNN": "common.models",
+    "ArticleMLP": "common.models",
+    "cnn_flatten_size": "common.models",
+    "DDPConfig": "ddp.trainer",
+    "Trainer": "ddp.trainer",
+    "describe": "runtime.env",
+    "resolve_backend": "runtime.env",
+    "WorkerNotImportable": "runtime.launcher",
+    "launch": "runtime.launcher",
+    "LogReader": "runtime.runlog",
+    "RunLog": "runtime.runlog",
+    "RunReader": "runtime.runlog",
+    "read_run": "runtime.runlog",
+    "LivePlot": "runtime.live",
+    "loss_figure": "runtime.live",
+    "watch": "runtime.live",
+    "Run": "runtime.run",
+    "RunResult": "runtime.run",
+    "WorkerFailed": "runtime.run",
 }
 
 __all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):
+    """The public API on first use; subpackages (``mgtutorial.ddp``) import as usual."""
     if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
         globals()[name] = value
         return value
-    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f".{name}", __name__)  # a submodule, e.g. mgtutorial.env
     raise AttributeError(f"module 'mgtutorial' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
-
-
-class _Package(types.ModuleType):
-    """Keeps ``mgtutorial.launch`` the function: importing the submodule ``mgtutorial.launch`` makes
-    Python set the package's attribute ``launch`` to that module, which would hide the function."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}" and name in _LAZY:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

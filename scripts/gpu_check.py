@@ -70,11 +70,17 @@ def driver_version() -> str | None:
     if not shutil.which("nvidia-smi"):
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    return (
+        out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    )
 
 
 def versions() -> dict:
@@ -83,16 +89,32 @@ def versions() -> dict:
     gpus = []
     for i in range(gpu_count()):
         p = torch.cuda.get_device_properties(i)
-        gpus.append({"index": i, "name": p.name, "memory_GiB": round(p.total_memory / 2**30, 1),
-                     "capability": f"{p.major}.{p.minor}"})
-    return {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-            "nccl": nccl_version(), "driver": driver_version(),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpu_count": len(gpus), "gpus": gpus}
+        gpus.append(
+            {
+                "index": i,
+                "name": p.name,
+                "memory_GiB": round(p.total_memory / 2**30, 1),
+                "capability": f"{p.major}.{p.minor}",
+            }
+        )
+    return {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "nccl": nccl_version(),
+        "driver": driver_version(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "gpu_count": len(gpus),
+        "gpus": gpus,
+    }
 
 
-def select(items: list[Item], gpus: int, only: list[str] | None = None, device: str = "cuda") -> list[tuple[Item, str | None]]:
+def select(
+    items: list[Item], gpus: int, only: list[str] | None = None, device: str = "cuda"
+) -> list[tuple[Item, str | None]]:
     """Pair each item to run with None, or with the reason it is skipped on a machine with ``gpus`` GPUs.
 
     ``only``: item names to keep (in the registry's order); ``device="cpu"`` (the dry run) runs
@@ -139,8 +161,15 @@ def _tail(path: Path, n: int = LOG_TAIL) -> str:
     return text[-n:]
 
 
-def run_item(it: Item, *, device: str, gpus: int, out_dir: Path, timeout_s: float | None = None,
-             pythonpath: tuple[str, ...] = ()) -> dict:
+def run_item(
+    it: Item,
+    *,
+    device: str,
+    gpus: int,
+    out_dir: Path,
+    timeout_s: float | None = None,
+    pythonpath: tuple[str, ...] = (),
+) -> dict:
     """Run one item in a fresh process (its own process group) and return its report entry.
 
     The entry has ``name, chapter, min_gpus, what, status`` ("passed" | "failed" | "skipped"),
@@ -154,15 +183,33 @@ def run_item(it: Item, *, device: str, gpus: int, out_dir: Path, timeout_s: floa
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     log, result = logs / f"{it.name}.log", work / "result.json"
-    environ = dict(os.environ, PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([*pythonpath, str(ROOT), str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", it.target, "--device", device,
-           "--gpus", str(gpus), "--workdir", str(work), "--result", str(result)]
+    environ = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(
+            [*pythonpath, str(ROOT), str(SCRIPTS), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        it.target,
+        "--device",
+        device,
+        "--gpus",
+        str(gpus),
+        "--workdir",
+        str(work),
+        "--result",
+        str(result),
+    ]
     entry = {"name": it.name, "chapter": it.chapter, "min_gpus": it.min_gpus, "what": it.what}
     start = time.monotonic()
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=environ, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -179,7 +226,9 @@ def run_item(it: Item, *, device: str, gpus: int, out_dir: Path, timeout_s: floa
     elif outcome.get("status") in ("passed", "skipped", "failed"):
         entry.update({k: v for k, v in outcome.items() if k in ("status", "error", "reason")})
     else:
-        entry.update(status="failed", error=f"the item's process exited with code {code} without a result")
+        entry.update(
+            status="failed", error=f"the item's process exited with code {code} without a result"
+        )
     if entry["status"] == "failed":
         entry["log_tail"] = _tail(log)
     elif entry["status"] == "passed":
@@ -198,8 +247,11 @@ def child(target: str, device: str, gpus: int, workdir: Path, result: Path) -> i
         out = {"status": "skipped", "reason": str(exc)}
     except Exception as exc:  # noqa: BLE001 - every failure is reported, not raised
         traceback.print_exc()
-        out = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-               "figures": exc.figures if isinstance(exc, CheckFailed) else {}}
+        out = {
+            "status": "failed",
+            "error": f"{type(exc).__name__}: {exc}",
+            "figures": exc.figures if isinstance(exc, CheckFailed) else {},
+        }
     result.write_text(json.dumps(out, indent=1, default=str))
     return 0 if out["status"] != "failed" else 1
 
@@ -212,8 +264,11 @@ def _cell(v) -> str:
 
 def _table(rows: list[dict]) -> list[str]:
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    return ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys),
-            *("| " + " | ".join(_cell(r.get(k, "")) for k in keys) + " |" for r in rows)]
+    return [
+        "| " + " | ".join(keys) + " |",
+        "|" + "---|" * len(keys),
+        *("| " + " | ".join(_cell(r.get(k, "")) for k in keys) + " |" for r in rows),
+    ]
 
 
 def render_markdown(report: dict) -> str:
@@ -221,17 +276,25 @@ def render_markdown(report: dict) -> str:
     v = report["versions"]
     gpus = ", ".join(f"{g['name']} ({g['memory_GiB']} GiB)" for g in v["gpus"]) or "none"
     counts = report["summary"]
-    lines = [f"# GPU check — {v['host']}", "",
-             f"{report['started']} · {report['duration_s']:.0f} s · device `{report['device']}` · "
-             f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped", "",
-             f"* GPUs ({v['gpu_count']}): {gpus}",
-             f"* torch {v['torch']}, CUDA {v['cuda']}, cuDNN {v['cudnn']}, NCCL {v['nccl']}, driver {v['driver']}",
-             f"* python {v['python']} on {v['platform']}", "",
-             "| item | chapter | GPUs | status | s | note |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# GPU check — {v['host']}",
+        "",
+        f"{report['started']} · {report['duration_s']:.0f} s · device `{report['device']}` · "
+        f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped",
+        "",
+        f"* GPUs ({v['gpu_count']}): {gpus}",
+        f"* torch {v['torch']}, CUDA {v['cuda']}, cuDNN {v['cudnn']}, NCCL {v['nccl']}, driver {v['driver']}",
+        f"* python {v['python']} on {v['platform']}",
+        "",
+        "| item | chapter | GPUs | status | s | note |",
+        "|---|---|---|---|---|---|",
+    ]
     for e in report["items"]:
         note = e.get("error") or e.get("reason") or e["what"]
-        lines.append(f"| {e['name']} | {e['chapter']} | {e['min_gpus']} | {e['status']} | "
-                     f"{e.get('duration_s', 0):.1f} | {note.replace('|', '/').splitlines()[0]} |")
+        lines.append(
+            f"| {e['name']} | {e['chapter']} | {e['min_gpus']} | {e['status']} | "
+            f"{e.get('duration_s', 0):.1f} | {note.replace('|', '/').splitlines()[0]} |"
+        )
     for e in report["items"]:
         if not e.get("figures") and e["status"] != "failed":
             continue
@@ -249,7 +312,9 @@ def render_markdown(report: dict) -> str:
         lines += ["", "## notebooks under CUDA (nbval, then executed copies in notebooks/)", ""]
     for nb in report.get("notebooks", []):
         note = nb.get("error") or nb.get("reason")
-        lines.append(f"* {nb['name']}: {nb['status']}" + (f" — {note.splitlines()[-1]}" if note else ""))
+        lines.append(
+            f"* {nb['name']}: {nb['status']}" + (f" — {note.splitlines()[-1]}" if note else "")
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -267,8 +332,9 @@ def summarize(entries: list[dict]) -> dict:
     return {s: sum(e["status"] == s for e in entries) for s in ("passed", "failed", "skipped")}
 
 
-def run_notebooks(out_dir: Path, gpus: int, timeout_s: float = NOTEBOOK_TIMEOUT_S,
-                  names: list[str] | None = None) -> list[dict]:
+def run_notebooks(
+    out_dir: Path, gpus: int, timeout_s: float = NOTEBOOK_TIMEOUT_S, names: list[str] | None = None
+) -> list[dict]:
     """Execute copies of notebooks/*.ipynb (or of ``names``) under CUDA into ``out_dir/notebooks``:
     nbval first (deterministic cells compared with the committed CPU outputs), then
     ``nbconvert --execute`` to keep the executed copy. The committed notebooks are never written.
@@ -279,17 +345,42 @@ def run_notebooks(out_dir: Path, gpus: int, timeout_s: float = NOTEBOOK_TIMEOUT_
     nb_dir = out_dir / "notebooks"
     shutil.rmtree(nb_dir, ignore_errors=True)
     nb_dir.mkdir(parents=True)
-    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    environ = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
     out = []
     for name in names:
         copy = nb_dir / name
         shutil.copy(ROOT / "notebooks" / name, copy)
-        steps = [[sys.executable, "-m", "pytest", str(copy), "--nbval-lax", "-q", "-p", "no:cacheprovider"],
-                 [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "--inplace", str(copy)]]
+        steps = [
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                str(copy),
+                "--nbval-lax",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+            ],
+            [
+                sys.executable,
+                "-m",
+                "jupyter",
+                "nbconvert",
+                "--to",
+                "notebook",
+                "--execute",
+                "--inplace",
+                str(copy),
+            ],
+        ]
         entry = {"name": name, "status": "passed"}
         for cmd in steps:
             try:
-                r = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout_s)
+                r = subprocess.run(
+                    cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout_s
+                )
                 error = None if r.returncode == 0 else (r.stdout + r.stderr)[-LOG_TAIL:]
             except subprocess.TimeoutExpired:
                 error = f"timed out after {timeout_s:g} s"
@@ -302,13 +393,23 @@ def run_notebooks(out_dir: Path, gpus: int, timeout_s: float = NOTEBOOK_TIMEOUT_
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "gpu-check", help="report folder (default gpu-check/)")
+    ap.add_argument(
+        "--out", type=Path, default=ROOT / "gpu-check", help="report folder (default gpu-check/)"
+    )
     ap.add_argument("--only", help="comma-separated item names (see --list)")
     ap.add_argument("--list", action="store_true", help="list the items and exit")
-    ap.add_argument("--notebooks", action="store_true", help="also run every notebook under CUDA with nbval")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: the dry run (every item on CPU with gloo; for tests)")
-    ap.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every item's time limit")
+    ap.add_argument(
+        "--notebooks", action="store_true", help="also run every notebook under CUDA with nbval"
+    )
+    ap.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: the dry run (every item on CPU with gloo; for tests)",
+    )
+    ap.add_argument(
+        "--timeout-scale", type=float, default=1.0, help="multiply every item's time limit"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--gpus", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
@@ -330,26 +431,49 @@ def main(argv: list[str] | None = None) -> int:
     entries = []
     for it, reason in plan:
         if reason:
-            entry = {"name": it.name, "chapter": it.chapter, "min_gpus": it.min_gpus, "what": it.what,
-                     "status": "skipped", "reason": reason, "figures": {}}
+            entry = {
+                "name": it.name,
+                "chapter": it.chapter,
+                "min_gpus": it.min_gpus,
+                "what": it.what,
+                "status": "skipped",
+                "reason": reason,
+                "figures": {},
+            }
         else:
             print(f"{it.name} …", flush=True)
-            entry = run_item(it, device=args.device, gpus=gpus, out_dir=args.out,
-                             timeout_s=it.timeout_s * args.timeout_scale)
-        print(f"{it.name:26} {entry['status']:8} {entry.get('error') or entry.get('reason') or ''}".rstrip(),
-              flush=True)
+            entry = run_item(
+                it,
+                device=args.device,
+                gpus=gpus,
+                out_dir=args.out,
+                timeout_s=it.timeout_s * args.timeout_scale,
+            )
+        print(
+            f"{it.name:26} {entry['status']:8} {entry.get('error') or entry.get('reason') or ''}".rstrip(),
+            flush=True,
+        )
         entries.append(entry)
     with contextlib.suppress(OSError):
         (args.out / "work").rmdir()  # only when empty: failed items keep their run folders there
-    report = {"started": started, "argv": sys.argv[1:] if argv is None else argv, "device": args.device,
-              "versions": versions(), "items": entries,
-              "summary": summarize(entries)}
+    report = {
+        "started": started,
+        "argv": sys.argv[1:] if argv is None else argv,
+        "device": args.device,
+        "versions": versions(),
+        "items": entries,
+        "summary": summarize(entries),
+    }
     if args.notebooks:
         report["notebooks"] = run_notebooks(args.out, gpus if args.device == "cuda" else 0)
     report["duration_s"] = round(time.monotonic() - t0, 1)
     js, md = write_report(report, args.out)
-    print(f"{report['summary']} → {md.relative_to(ROOT) if md.is_relative_to(ROOT) else md}, {js.name}")
-    failed = report["summary"]["failed"] + sum(nb["status"] == "failed" for nb in report.get("notebooks", []))
+    print(
+        f"{report['summary']} → {md.relative_to(ROOT) if md.is_relative_to(ROOT) else md}, {js.name}"
+    )
+    failed = report["summary"]["failed"] + sum(
+        nb["status"] == "failed" for nb in report.get("notebooks", [])
+    )
     return 1 if failed else 0
 
 

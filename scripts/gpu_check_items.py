@@ -27,15 +27,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mgtutorial import (RunResult, costmodel, ddp, ddp_internals, env, launch, model_parallel, models, perf, pipeline,
-                        runlog, timeline)
+from mgtutorial import RunResult, ddp, launch
+from mgtutorial.common import models
+from mgtutorial.ddp import internals as ddp_internals
+from mgtutorial.hello import HelloConfig, hello
 
 # NVIDIA's libraries read this: no TF32 in cuBLAS/cuDNN, so GPU results compare with CPU fp32 ones
+from mgtutorial.perf import costmodel
+from mgtutorial.perf import timing as perf
+from mgtutorial.pipeline import naive as model_parallel
+from mgtutorial.pipeline import schedules as pipeline
+from mgtutorial.pipeline import timeline
+from mgtutorial.runtime import env, runlog
+
 NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}
 FP32_TOL = {"rtol": 1e-4, "atol": 1e-4}  # fp32 on a GPU vs fp32 on a CPU, after a few steps
 MIB = 2**20
-HOST_CLOCK_NOTE = ("bubble_measured comes from the Timeline's host timestamps (module hooks): on a GPU they "
-                   "time kernel launches and waits, not the kernels themselves")
+HOST_CLOCK_NOTE = (
+    "bubble_measured comes from the Timeline's host timestamps (module hooks): on a GPU they "
+    "time kernel launches and waits, not the kernels themselves"
+)
 
 
 class Skip(Exception):
@@ -97,9 +108,11 @@ ITEMS: dict[str, Item] = {}
 
 def item(name: str, *, chapter: str, min_gpus: int, timeout_s: float, what: str) -> Callable:
     """Register the decorated function as the item ``name`` (in :data:`ITEMS`, in order)."""
+
     def register(fn):
         ITEMS[name] = Item(name, chapter, min_gpus, timeout_s, what, f"{__name__}:{fn.__name__}")
         return fn
+
     return register
 
 
@@ -116,7 +129,10 @@ class Timer:
 
     def __enter__(self):
         if self.device.type == "cuda":
-            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start, self._end = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
             self._start.record()
         else:
             self._t0 = time.perf_counter()
@@ -150,14 +166,20 @@ def _run(worker, cfg, nprocs: int, w: Where, timeout_s: float = 120.0) -> RunRes
 
 def _max_diff(got: dict, ref: dict) -> float:
     expect(got.keys() == ref.keys(), f"different parameters: {sorted(got)} vs {sorted(ref)}")
-    return max((got[k].detach().float().cpu() - ref[k].detach().float().cpu()).abs().max().item() for k in ref)
+    return max(
+        (got[k].detach().float().cpu() - ref[k].detach().float().cpu()).abs().max().item()
+        for k in ref
+    )
 
 
 def _close(got: dict, ref: dict, what: str, figures: dict, tol: dict = FP32_TOL) -> None:
     """``assert_close`` over two state dicts (CPU), failing with the figures so far."""
     try:
-        torch.testing.assert_close({k: v.detach().float().cpu() for k, v in got.items()},
-                                   {k: v.detach().float().cpu() for k, v in ref.items()}, **tol)
+        torch.testing.assert_close(
+            {k: v.detach().float().cpu() for k, v in got.items()},
+            {k: v.detach().float().cpu() for k, v in ref.items()},
+            **tol,
+        )
     except AssertionError as exc:
         raise CheckFailed(f"{what}: {exc}", figures) from None
 
@@ -196,7 +218,10 @@ def _params_full(model: nn.Module) -> dict:
     """Parameters by name, DTensors gathered to full tensors (a collective: every rank calls it)."""
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+        for n, p in model.named_parameters()
+    }
 
 
 def fsdp2_memory_rank(ctx, width: int = 4096, layers: int = 8, batch: int = 8) -> dict:
@@ -219,7 +244,10 @@ def fsdp2_memory_rank(ctx, width: int = 4096, layers: int = 8, batch: int = 8) -
     if dev.type != "cuda":  # the dry run: a small model
         width = 256
     mesh = _mesh(ctx)
-    for dtype in (torch.float32, torch.bfloat16):  # cuBLAS allocates its workspaces now, not inside the measurement
+    for dtype in (
+        torch.float32,
+        torch.bfloat16,
+    ):  # cuBLAS allocates its workspaces now, not inside the measurement
         w = torch.randn(64, 64, device=dev, dtype=dtype, requires_grad=True)
         (w @ w).sum().backward()
     del w
@@ -242,22 +270,38 @@ def fsdp2_memory_rank(ctx, width: int = 4096, layers: int = 8, batch: int = 8) -
     optimizer.step()
     del out
     steady = _allocated(dev)
-    figures = {"world_size": n, "parameters": psi, "output_dtype": out_dtype, "grad_dtypes": grad_dtypes,
-               "formula": "params 4Ψ/N + grads 4Ψ/N + Adam 8Ψ/N = 16Ψ/N bytes per rank",
-               "expected_params_MiB": 4 * psi / n / MIB, "expected_steady_MiB": 16 * psi / n / MIB}
+    figures = {
+        "world_size": n,
+        "parameters": psi,
+        "output_dtype": out_dtype,
+        "grad_dtypes": grad_dtypes,
+        "formula": "params 4Ψ/N + grads 4Ψ/N + Adam 8Ψ/N = 16Ψ/N bytes per rank",
+        "expected_params_MiB": 4 * psi / n / MIB,
+        "expected_steady_MiB": 16 * psi / n / MIB,
+    }
     expect(out_dtype == "torch.bfloat16", f"forward computed in {out_dtype}, not bf16", figures)
-    expect(grad_dtypes == ["torch.float32"], f"gradient shards are {grad_dtypes}, not fp32", figures)
+    expect(
+        grad_dtypes == ["torch.float32"], f"gradient shards are {grad_dtypes}, not fp32", figures
+    )
     if base is None:
         figures["measured"] = "not on CPU (no memory counters)"
         return figures
     peak = torch.cuda.max_memory_allocated(dev)
-    figures.update(measured_params_MiB=(after_shard - base) / MIB, measured_steady_MiB=(steady - base) / MIB,
-                   measured_peak_MiB=(peak - base) / MIB)
+    figures.update(
+        measured_params_MiB=(after_shard - base) / MIB,
+        measured_steady_MiB=(steady - base) / MIB,
+        measured_peak_MiB=(peak - base) / MIB,
+    )
     slack = 0.05  # the input, the loss, allocator rounding
-    for what, got, want in (("after fully_shard", after_shard - base, 4 * psi / n),
-                            ("after one Adam step", steady - base, 16 * psi / n)):
-        expect(abs(got - want) <= slack * want + 2 * MIB,
-               f"{what}: {got / MIB:.1f} MiB allocated, formula {want / MIB:.1f} MiB (±{slack:.0%})", figures)
+    for what, got, want in (
+        ("after fully_shard", after_shard - base, 4 * psi / n),
+        ("after one Adam step", steady - base, 16 * psi / n),
+    ):
+        expect(
+            abs(got - want) <= slack * want + 2 * MIB,
+            f"{what}: {got / MIB:.1f} MiB allocated, formula {want / MIB:.1f} MiB (±{slack:.0%})",
+            figures,
+        )
     expect(peak >= steady, "peak below the steady state", figures)
     return figures
 
@@ -277,9 +321,14 @@ def fsdp2_parity_rank(ctx, steps: int = 3, batch: int = 4) -> dict:
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     for step in range(steps):
         g = torch.Generator().manual_seed(100 + step)
-        x, y = torch.randn(n * batch, 16, generator=g).to(dev), torch.randn(n * batch, 16, generator=g).to(dev)
+        x, y = (
+            torch.randn(n * batch, 16, generator=g).to(dev),
+            torch.randn(n * batch, 16, generator=g).to(dev),
+        )
         rows = slice(ctx.rank * batch, (ctx.rank + 1) * batch)
-        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()  # FSDP2 averages gradients over ranks
+        nn.functional.mse_loss(
+            model(x[rows]), y[rows]
+        ).backward()  # FSDP2 averages gradients over ranks
         nn.functional.mse_loss(ref(x), y).backward()
         for o in (opt, ref_opt):
             o.step()
@@ -292,7 +341,11 @@ def fsdp2_parity_rank(ctx, steps: int = 3, batch: int = 4) -> dict:
 
 def tp_parity_rank(ctx, steps: int = 3, batch: int = 8) -> dict:
     """Megatron-style MLP with ``parallelize_module`` (ColwiseParallel, then RowwiseParallel) == one process."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     dev, n = ctx.device, ctx.world_size
     mesh = _mesh(ctx)
@@ -305,7 +358,10 @@ def tp_parity_rank(ctx, steps: int = 3, batch: int = 8) -> dict:
     losses = []
     for step in range(steps):
         g = torch.Generator().manual_seed(200 + step)  # every rank: the same (replicated) input
-        x, y = torch.randn(batch, 16, generator=g).to(dev), torch.randn(batch, 16, generator=g).to(dev)
+        x, y = (
+            torch.randn(batch, 16, generator=g).to(dev),
+            torch.randn(batch, 16, generator=g).to(dev),
+        )
         loss, ref_loss = nn.functional.mse_loss(model(x), y), nn.functional.mse_loss(ref(x), y)
         losses.append([loss.item(), ref_loss.item()])
         for lo, o in ((loss, opt), (ref_loss, ref_opt)):
@@ -313,9 +369,17 @@ def tp_parity_rank(ctx, steps: int = 3, batch: int = 8) -> dict:
             o.step()
             o.zero_grad()
     got, want = _params_full(model), _params_full(ref)
-    figures = {"world_size": n, "fc1_local_rows": local_rows, "losses_tp_vs_ref": losses,
-               "max_param_diff": _max_diff(got, want)}
-    expect(local_rows == 16, f"ColwiseParallel left {local_rows} rows of 16·{n} on this rank, not 16", figures)
+    figures = {
+        "world_size": n,
+        "fc1_local_rows": local_rows,
+        "losses_tp_vs_ref": losses,
+        "max_param_diff": _max_diff(got, want),
+    }
+    expect(
+        local_rows == 16,
+        f"ColwiseParallel left {local_rows} rows of 16·{n} on this rank, not 16",
+        figures,
+    )
     _close(got, want, "tensor parallel vs one process", figures, {"rtol": 1e-5, "atol": 1e-5})
     return figures
 
@@ -353,19 +417,36 @@ def async_rank(ctx, numel: int = 64 * 2**20, matmuls: int = 8, size: int = 4096)
             row["stream_past_it_at_return"] = event.query()
         perf.sync(dev)
         row["synchronized_ms"] = (time.perf_counter() - t0) * 1e3
-        expect(torch.all(t == ctx.world_size).item(), f"all-reduce of ones gave {t[0].item()}, not {ctx.world_size}")
+        expect(
+            torch.all(t == ctx.world_size).item(),
+            f"all-reduce of ones gave {t[0].item()}, not {ctx.world_size}",
+        )
         rows[mode] = row
-    figures = {"world_size": ctx.world_size, "bytes": numel * 4, "queued_matmuls": matmuls, "rows": rows}
+    figures = {
+        "world_size": ctx.world_size,
+        "bytes": numel * 4,
+        "queued_matmuls": matmuls,
+        "rows": rows,
+    }
     if dev.type == "cuda":
-        expect(rows["async_op=True"]["work_completed_at_return"] is False,
-               "the all-reduce had completed when the call returned", figures)
+        expect(
+            rows["async_op=True"]["work_completed_at_return"] is False,
+            "the all-reduce had completed when the call returned",
+            figures,
+        )
         for mode, r in rows.items():
-            expect(r["stream_past_it_at_return"] is False and r["call_returned_ms"] < 0.5 * r["synchronized_ms"],
-                   f"{mode}: the call did not return before the all-reduce completed", figures)
+            expect(
+                r["stream_past_it_at_return"] is False
+                and r["call_returned_ms"] < 0.5 * r["synchronized_ms"],
+                f"{mode}: the call did not return before the all-reduce completed",
+                figures,
+            )
     return figures
 
 
-def busbw_rank(ctx, sizes: tuple[int, ...] = tuple(2**k for k in (10, 14, 18, 20, 22, 24, 26, 28))) -> list[dict]:
+def busbw_rank(
+    ctx, sizes: tuple[int, ...] = tuple(2**k for k in (10, 14, 18, 20, 22, 24, 26, 28))
+) -> list[dict]:
     """NCCL all-reduce bandwidth over message sizes, as nccl-tests reports it.
 
     algbw = bytes / time; busbw = algbw · 2(n − 1)/n (the data each link carries in a ring
@@ -378,7 +459,9 @@ def busbw_rank(ctx, sizes: tuple[int, ...] = tuple(2**k for k in (10, 14, 18, 20
     for nbytes in sizes:
         t = torch.full((nbytes // 4,), float(ctx.rank + 1), device=dev)
         dist.all_reduce(t)
-        expect(torch.all(t == n * (n + 1) / 2).item(), f"all-reduce of {nbytes} B gave {t[0].item()}")
+        expect(
+            torch.all(t == n * (n + 1) / 2).item(), f"all-reduce of {nbytes} B gave {t[0].item()}"
+        )
         t.zero_()  # stays 0 under repeated SUMs
         iters = 5 if dev.type != "cuda" else (20 if nbytes >= 2**24 else 50)
         for _ in range(3):
@@ -387,9 +470,14 @@ def busbw_rank(ctx, sizes: tuple[int, ...] = tuple(2**k for k in (10, 14, 18, 20
             for _ in range(iters):
                 dist.all_reduce(t)
         seconds = timer.ms / 1e3 / iters
-        rows.append({"bytes": nbytes, "time_us": seconds * 1e6,
-                     "algbw_GBps": costmodel.algbw(nbytes, seconds) / 1e9,
-                     "busbw_GBps": costmodel.busbw("all_reduce", nbytes, seconds, n) / 1e9})
+        rows.append(
+            {
+                "bytes": nbytes,
+                "time_us": seconds * 1e6,
+                "algbw_GBps": costmodel.algbw(nbytes, seconds) / 1e9,
+                "busbw_GBps": costmodel.busbw("all_reduce", nbytes, seconds, n) / 1e9,
+            }
+        )
     return rows
 
 
@@ -414,22 +502,39 @@ def syncbn_rank(ctx, batch: int = 4, channels: int = 3) -> dict:
             figures["dry_run"] = f"refused on CPU as the chapter says: {str(exc)[:60]}…"
             return figures
         raise CheckFailed("apply_sync_batchnorm accepted a CPU rank", figures)
-    model = nn.parallel.DistributedDataParallel(ddp_internals.apply_sync_batchnorm(bn, ctx), device_ids=[dev.index])
+    model = nn.parallel.DistributedDataParallel(
+        ddp_internals.apply_sync_batchnorm(bn, ctx), device_ids=[dev.index]
+    )
     x = x_all[rows].to(dev).requires_grad_()
     out = model(x)
     (out * w_all[rows].to(dev)).sum().backward()
-    got = {"output": out, "input_grad": x.grad, "running_mean": model.module[0].running_mean,
-           "running_var": model.module[0].running_var, "weight_grad_x_N": model.module[0].weight.grad * n}
-    want = {"output": out_ref[rows], "input_grad": x_ref.grad[rows], "running_mean": ref[0].running_mean,
-            "running_var": ref[0].running_var, "weight_grad_x_N": ref[0].weight.grad}
+    got = {
+        "output": out,
+        "input_grad": x.grad,
+        "running_mean": model.module[0].running_mean,
+        "running_var": model.module[0].running_var,
+        "weight_grad_x_N": model.module[0].weight.grad * n,
+    }
+    want = {
+        "output": out_ref[rows],
+        "input_grad": x_ref.grad[rows],
+        "running_mean": ref[0].running_mean,
+        "running_var": ref[0].running_var,
+        "weight_grad_x_N": ref[0].weight.grad,
+    }
     figures["max_diff"] = _max_diff(got, want)
     _close(got, want, "SyncBatchNorm vs BatchNorm on the combined batch", figures)
     return figures
 
 
-RANK_TASKS: dict[str, Callable] = {"fsdp2_memory": fsdp2_memory_rank, "fsdp2_parity": fsdp2_parity_rank,
-                                   "tp_parity": tp_parity_rank, "async": async_rank, "busbw": busbw_rank,
-                                   "syncbn": syncbn_rank}
+RANK_TASKS: dict[str, Callable] = {
+    "fsdp2_memory": fsdp2_memory_rank,
+    "fsdp2_parity": fsdp2_parity_rank,
+    "tp_parity": tp_parity_rank,
+    "async": async_rank,
+    "busbw": busbw_rank,
+    "syncbn": syncbn_rank,
+}
 
 
 def _ranks(task: str, w: Where, nprocs: int, timeout_s: float = 120.0, **params) -> dict:
@@ -441,36 +546,65 @@ def _ranks(task: str, w: Where, nprocs: int, timeout_s: float = 120.0, **params)
 # the items, in the order they run (one GPU first, then two or more)
 
 
-@item("nccl_world_size_1", chapter="00_setup, 02_ddp", min_gpus=1, timeout_s=120,
-      what="launch with backend nccl, world size 1: the rank joins, is on cuda:0 and all-reduces")
+@item(
+    "nccl_world_size_1",
+    chapter="00_setup, 02_ddp",
+    min_gpus=1,
+    timeout_s=120,
+    what="launch with backend nccl, world size 1: the rank joins, is on cuda:0 and all-reduces",
+)
 def nccl_world_size_1(w: Where) -> dict:
-    rec = _run(env.hello, env.HelloConfig(backend=w.backend), 1, w).values[0]
+    rec = _run(hello, HelloConfig(backend=w.backend), 1, w).values[0]
     figures = {k: rec[k] for k in ("backend", "device", "world_size", "rank_sum")}
     expect(rec["backend"] == w.backend, f"backend {rec['backend']}, not {w.backend}", figures)
     expect(rec["device"] == ("cuda:0" if w.cuda else "cpu"), f"device {rec['device']}", figures)
-    expect(rec["world_size"] == 1 and rec["rank_sum"] == 0, "all-reduce of the ranks is not 0", figures)
+    expect(
+        rec["world_size"] == 1 and rec["rank_sum"] == 0, "all-reduce of the ranks is not 0", figures
+    )
     return figures
 
 
 def _ddp_config(w: Where, name: str) -> ddp.DDPConfig:
-    return ddp.DDPConfig(dataset="synthetic", batch_size=8, epochs=1, max_steps=3, lr=0.05, evaluate=False,
-                         checkpoint=str(w.workdir / name), backend=w.backend)
+    return ddp.DDPConfig(
+        dataset="synthetic",
+        batch_size=8,
+        epochs=1,
+        max_steps=3,
+        lr=0.05,
+        evaluate=False,
+        checkpoint=str(w.workdir / name),
+        backend=w.backend,
+    )
 
 
-@item("ddp_cuda0_vs_cpu", chapter="02_ddp", min_gpus=1, timeout_s=150,
-      what="the chapter-02 DDP worker on cuda:0 (NCCL, 1 rank) gives the CPU parameters (fp32, no TF32)")
+@item(
+    "ddp_cuda0_vs_cpu",
+    chapter="02_ddp",
+    min_gpus=1,
+    timeout_s=150,
+    what="the chapter-02 DDP worker on cuda:0 (NCCL, 1 rank) gives the CPU parameters (fp32, no TF32)",
+)
 def ddp_cuda0_vs_cpu(w: Where) -> dict:
     cfg = _ddp_config(w, "ddp1.pt")
     result = _run(ddp.worker, cfg, 1, w)
     got = torch.load(cfg.checkpoint, map_location="cpu", weights_only=True)["model"]
     want = ddp.combined_batch_reference(cfg, 1).state_dict()
-    figures = {"steps": result.values[0]["steps"], "max_param_diff": _max_diff(got, want), "tolerance": FP32_TOL}
+    figures = {
+        "steps": result.values[0]["steps"],
+        "max_param_diff": _max_diff(got, want),
+        "tolerance": FP32_TOL,
+    }
     _close(got, want, "DDP on the GPU vs one CPU process", figures)
     return figures
 
 
-@item("device_basics", chapter="01_single_device, 02_ddp", min_gpus=1, timeout_s=90,
-      what="torch.cuda.set_device, a pinned-memory loader with non_blocking copies, bf16 autocast")
+@item(
+    "device_basics",
+    chapter="01_single_device, 02_ddp",
+    min_gpus=1,
+    timeout_s=90,
+    what="torch.cuda.set_device, a pinned-memory loader with non_blocking copies, bf16 autocast",
+)
 def device_basics(w: Where) -> dict:
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -484,18 +618,30 @@ def device_basics(w: Where) -> dict:
             torch.cuda.set_device(1)
             figures["plain_cuda_after_set_device_1"] = str(torch.zeros(1, device="cuda").device)
             torch.cuda.set_device(dev)
-            expect(figures["plain_cuda_after_set_device_1"] == "cuda:1", "set_device(1) did not move 'cuda'", figures)
+            expect(
+                figures["plain_cuda_after_set_device_1"] == "cuda:1",
+                "set_device(1) did not move 'cuda'",
+                figures,
+            )
         if not torch.cuda.is_bf16_supported():
             raise Skip(f"{torch.cuda.get_device_name(0)} has no bf16")
     g = torch.Generator().manual_seed(0)
-    ds = TensorDataset(torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 10, (64,), generator=g))
+    ds = TensorDataset(
+        torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 10, (64,), generator=g)
+    )
     loader = DataLoader(ds, batch_size=16, pin_memory=w.cuda)
     x, y = next(iter(loader))
     figures["pinned"] = x.is_pinned() if w.cuda else "not on CPU"
-    expect(figures["pinned"] in (True, "not on CPU"), "pin_memory=True gave unpinned batches", figures)
+    expect(
+        figures["pinned"] in (True, "not on CPU"), "pin_memory=True gave unpinned batches", figures
+    )
     xd, yd = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
     perf.sync(dev)
-    expect(torch.equal(xd.cpu(), x) and torch.equal(yd.cpu(), y), "non_blocking copy changed the batch", figures)
+    expect(
+        torch.equal(xd.cpu(), x) and torch.equal(yd.cpu(), y),
+        "non_blocking copy changed the batch",
+        figures,
+    )
     torch.manual_seed(0)
     model = models.ArticleCNN().to(dev)
     with torch.no_grad():
@@ -505,28 +651,52 @@ def device_basics(w: Where) -> dict:
         loss = nn.functional.cross_entropy(out, yd)
     loss.backward()
     rel = ((out.float() - fp32).norm() / fp32.norm()).item()
-    figures.update(autocast_output_dtype=str(out.dtype), grad_dtypes=sorted({str(p.grad.dtype) for p in model.parameters()}),
-                   bf16_vs_fp32_rel_error=rel)
+    figures.update(
+        autocast_output_dtype=str(out.dtype),
+        grad_dtypes=sorted({str(p.grad.dtype) for p in model.parameters()}),
+        bf16_vs_fp32_rel_error=rel,
+    )
     expect(out.dtype == torch.bfloat16, f"autocast output is {out.dtype}", figures)
-    expect(figures["grad_dtypes"] == ["torch.float32"], "gradients are not fp32 (the parameters' dtype)", figures)
-    expect(rel < 2e-2, f"bf16 output differs from fp32 by {rel:.3g} (relative), more than 2e-2", figures)
+    expect(
+        figures["grad_dtypes"] == ["torch.float32"],
+        "gradients are not fp32 (the parameters' dtype)",
+        figures,
+    )
+    expect(
+        rel < 2e-2,
+        f"bf16 output differs from fp32 by {rel:.3g} (relative), more than 2e-2",
+        figures,
+    )
     return figures
 
 
-@item("fsdp2_memory", chapter="07_sharding", min_gpus=1, timeout_s=150,
-      what="fully_shard + MixedPrecisionPolicy(bf16, fp32 reduce), Adam: memory_allocated vs 16Ψ/N (all GPUs)")
+@item(
+    "fsdp2_memory",
+    chapter="07_sharding",
+    min_gpus=1,
+    timeout_s=150,
+    what="fully_shard + MixedPrecisionPolicy(bf16, fp32 reduce), Adam: memory_allocated vs 16Ψ/N (all GPUs)",
+)
 def fsdp2_memory(w: Where) -> dict:
     return _ranks("fsdp2_memory", w, w.nprocs)[0]
 
 
-@item("cuda_event_timing", chapter="09_performance", min_gpus=1, timeout_s=90,
-      what="CUDA-event timing: matmul FLOP/s (fp32 without TF32, bf16), a training step; host time without synchronize")
+@item(
+    "cuda_event_timing",
+    chapter="09_performance",
+    min_gpus=1,
+    timeout_s=90,
+    what="CUDA-event timing: matmul FLOP/s (fp32 without TF32, bf16), a training step; host time without synchronize",
+)
 def cuda_event_timing(w: Where) -> dict:
     dev = torch.device("cuda", 0) if w.cuda else torch.device("cpu")
     n, iters = (8192, 10) if w.cuda else (256, 2)
     figures: dict = {"n": n, "iters": iters}
     for dtype in (torch.float32, torch.bfloat16):
-        a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+        a, b = (
+            torch.randn(n, n, device=dev, dtype=dtype),
+            torch.randn(n, n, device=dev, dtype=dtype),
+        )
         for _ in range(2):
             a @ b
         perf.sync(dev)
@@ -541,7 +711,9 @@ def cuda_event_timing(w: Where) -> dict:
         figures[f"host_loop_{name}_ms"] = host_ms
         expect(timer.ms > 0, "the events measured no time", figures)
         if w.cuda:
-            expect(host_ms < timer.ms, "the host loop did not return before the GPU finished", figures)
+            expect(
+                host_ms < timer.ms, "the host loop did not return before the GPU finished", figures
+            )
     torch.manual_seed(0)
     model = models.ArticleCNN().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -560,25 +732,42 @@ def cuda_event_timing(w: Where) -> dict:
     return figures
 
 
-@item("nccl_async", chapter="03a_collectives", min_gpus=1, timeout_s=120,
-      what="an NCCL all-reduce returns before it completes: call time vs synchronize, work.is_completed()")
+@item(
+    "nccl_async",
+    chapter="03a_collectives",
+    min_gpus=1,
+    timeout_s=120,
+    what="an NCCL all-reduce returns before it completes: call time vs synchronize, work.is_completed()",
+)
 def nccl_async(w: Where) -> dict:
     return _ranks("async", w, w.nprocs)[0]
 
 
-@item("ddp_nccl_vs_one_process", chapter="02_ddp", min_gpus=2, timeout_s=150,
-      what="DDP on NCCL with one rank per GPU == one CPU process on the combined batch")
+@item(
+    "ddp_nccl_vs_one_process",
+    chapter="02_ddp",
+    min_gpus=2,
+    timeout_s=150,
+    what="DDP on NCCL with one rank per GPU == one CPU process on the combined batch",
+)
 def ddp_nccl_vs_one_process(w: Where) -> dict:
     cfg = _ddp_config(w, "ddpn.pt")
     _run(ddp.worker, cfg, w.nprocs, w)
     got = torch.load(cfg.checkpoint, map_location="cpu", weights_only=True)["model"]
     want = ddp.combined_batch_reference(cfg, w.nprocs).state_dict()
     alone = ddp.combined_batch_reference(cfg, 1).state_dict()
-    figures = {"world_size": w.nprocs, "max_param_diff": _max_diff(got, want),
-               "control_rank0_alone_diff": _max_diff(got, alone), "tolerance": FP32_TOL}
+    figures = {
+        "world_size": w.nprocs,
+        "max_param_diff": _max_diff(got, want),
+        "control_rank0_alone_diff": _max_diff(got, alone),
+        "tolerance": FP32_TOL,
+    }
     _close(got, want, "DDP on NCCL vs one process", figures)
-    expect(figures["control_rank0_alone_diff"] > 10 * FP32_TOL["atol"], "the control does not differ: "
-           "the comparison could not have failed", figures)
+    expect(
+        figures["control_rank0_alone_diff"] > 10 * FP32_TOL["atol"],
+        "the control does not differ: the comparison could not have failed",
+        figures,
+    )
     return figures
 
 
@@ -593,8 +782,13 @@ def sync_gradients(model, ctx):
 """Exercise 06b.1's solution, as the instructor edition of notebooks/06b has it."""
 
 
-@item("exercise_06b1_nccl", chapter="06b_article_model_parallel", min_gpus=2, timeout_s=120,
-      what="exercise 06b.1's checker on its solution, backend auto (NCCL on 2 GPUs): CUDA checkpoints, CPU reference")
+@item(
+    "exercise_06b1_nccl",
+    chapter="06b_article_model_parallel",
+    min_gpus=2,
+    timeout_s=120,
+    what="exercise 06b.1's checker on its solution, backend auto (NCCL on 2 GPUs): CUDA checkpoints, CPU reference",
+)
 def exercise_06b1_nccl(w: Where) -> dict:
     import contextlib
     import io
@@ -603,7 +797,11 @@ def exercise_06b1_nccl(w: Where) -> dict:
     from mgtutorial.exercises import ch06b
 
     figures: dict = {"backend": env.resolve_backend("auto", 2)}
-    expect(figures["backend"] == w.backend, f"backend auto resolves to {figures['backend']}, not {w.backend}", figures)
+    expect(
+        figures["backend"] == w.backend,
+        f"backend auto resolves to {figures['backend']}, not {w.backend}",
+        figures,
+    )
     path = w.workdir / "ex06b_sync.py"
     path.write_text(SYNC_SOLUTION)
     out, here = io.StringIO(), os.getcwd()
@@ -614,24 +812,42 @@ def exercise_06b1_nccl(w: Where) -> dict:
     finally:
         os.chdir(here)
     figures["checker"] = out.getvalue().strip()
-    expect(figures["checker"].startswith("✓ 06b.1 copies together:"), "the checker printed no pass line", figures)
+    expect(
+        figures["checker"].startswith("✓ 06b.1 copies together:"),
+        "the checker printed no pass line",
+        figures,
+    )
     return figures
 
 
-@item("sync_batchnorm", chapter="03b_ddp_internals", min_gpus=2, timeout_s=120,
-      what="SyncBatchNorm on N GPUs == BatchNorm2d on the combined batch (outputs, statistics, gradients)")
+@item(
+    "sync_batchnorm",
+    chapter="03b_ddp_internals",
+    min_gpus=2,
+    timeout_s=120,
+    what="SyncBatchNorm on N GPUs == BatchNorm2d on the combined batch (outputs, statistics, gradients)",
+)
 def sync_batchnorm(w: Where) -> dict:
     return _ranks("syncbn", w, w.nprocs)[0]
 
 
-@item("naive_split", chapter="04_model_parallel", min_gpus=2, timeout_s=90,
-      what="the article's MLP split over cuda:0 and cuda:1 (NaiveModelParallel) == the unsplit model")
+@item(
+    "naive_split",
+    chapter="04_model_parallel",
+    min_gpus=2,
+    timeout_s=90,
+    what="the article's MLP split over cuda:0 and cuda:1 (NaiveModelParallel) == the unsplit model",
+)
 def naive_split(w: Where) -> dict:
     cfg = pipeline.PipelineConfig(steps=3, batch_size=64)
     devices = model_parallel.naive_devices() if w.cuda else [torch.device("cpu")] * 2
     figures: dict = {"devices": [str(d) for d in devices]}
     if w.cuda:
-        expect(figures["devices"] == ["cuda:0", "cuda:1"], "naive_devices() is not cuda:0, cuda:1", figures)
+        expect(
+            figures["devices"] == ["cuda:0", "cuda:1"],
+            "naive_devices() is not cuda:0, cuda:1",
+            figures,
+        )
     model, evs = model_parallel.train_naive(cfg, devices)
     figures["stage_devices"] = [str(next(st.parameters()).device) for st in model.stages]
     expect(figures["stage_devices"] == figures["devices"], "a stage is not on its device", figures)
@@ -639,44 +855,77 @@ def naive_split(w: Where) -> dict:
     got = {str(i): p for i, p in enumerate(model.parameters())}
     want = {str(i): p for i, p in enumerate(ref.parameters())}
     figures["max_param_diff"] = _max_diff(got, want)
-    figures["bubble_measured_last_step"] = timeline.bubble_measured([e for e in evs if e["step"] == cfg.steps])
+    figures["bubble_measured_last_step"] = timeline.bubble_measured(
+        [e for e in evs if e["step"] == cfg.steps]
+    )
     figures["note"] = HOST_CLOCK_NOTE
     _close(got, want, "naive split vs unsplit model", figures)
     return figures
 
 
-@item("pipeline_stages", chapter="04_model_parallel", min_gpus=2, timeout_s=300,
-      what="one pipeline stage per GPU (torch.distributed.pipelining GPipe/1F1B) == unsplit; bubble table")
+@item(
+    "pipeline_stages",
+    chapter="04_model_parallel",
+    min_gpus=2,
+    timeout_s=300,
+    what="one pipeline stage per GPU (torch.distributed.pipelining GPipe/1F1B) == unsplit; bubble table",
+)
 def pipeline_stages(w: Where) -> dict:
     rows = []
     for schedule, m in (("gpipe", 1), ("gpipe", 4), ("1f1b", 4), ("1f1b", 8)):
-        cfg = pipeline.PipelineConfig(schedule=schedule, n_microbatches=m, batch_size=64, steps=3, backend=w.backend)
+        cfg = pipeline.PipelineConfig(
+            schedule=schedule, n_microbatches=m, batch_size=64, steps=3, backend=w.backend
+        )
         result = _run(pipeline.worker, cfg, 2, w)
         got = pipeline.gather_params(result.run_dir, cfg, 2)
         ref, losses = pipeline.unsplit_reference(cfg)
         evs = timeline.events(runlog.read_run(result.run_dir), step=cfg.steps)
         times = result.values[1]["step_times_s"]
-        rows.append({"schedule": schedule, "microbatches": m, "bubble_formula": timeline.bubble_formula(2, m),
-                     "bubble_measured": timeline.bubble_measured(evs), "step_ms": 1e3 * min(times),
-                     "max_param_diff": _max_diff(got, ref.state_dict()),
-                     "max_loss_diff": max(abs(a - b) for a, b in zip(result.values[1]["losses"], losses))})
+        rows.append(
+            {
+                "schedule": schedule,
+                "microbatches": m,
+                "bubble_formula": timeline.bubble_formula(2, m),
+                "bubble_measured": timeline.bubble_measured(evs),
+                "step_ms": 1e3 * min(times),
+                "max_param_diff": _max_diff(got, ref.state_dict()),
+                "max_loss_diff": max(
+                    abs(a - b) for a, b in zip(result.values[1]["losses"], losses)
+                ),
+            }
+        )
         _close(got, ref.state_dict(), f"{schedule} m={m} vs unsplit", {"rows": rows})
     return {"stages": 2, "rows": rows, "note": HOST_CLOCK_NOTE}
 
 
-@item("allreduce_busbw", chapter="09_performance", min_gpus=2, timeout_s=150,
-      what="NCCL all-reduce over 1 KiB … 256 MiB on all GPUs: time, algbw, busbw = algbw·2(n−1)/n")
+@item(
+    "allreduce_busbw",
+    chapter="09_performance",
+    min_gpus=2,
+    timeout_s=150,
+    what="NCCL all-reduce over 1 KiB … 256 MiB on all GPUs: time, algbw, busbw = algbw·2(n−1)/n",
+)
 def allreduce_busbw(w: Where) -> dict:
     return {"world_size": w.nprocs, "rows": _ranks("busbw", w, w.nprocs)[0]}
 
 
-@item("tp_parity", chapter="08_tensor_parallel", min_gpus=2, timeout_s=120,
-      what="parallelize_module(ColwiseParallel, RowwiseParallel) on all GPUs == one process")
+@item(
+    "tp_parity",
+    chapter="08_tensor_parallel",
+    min_gpus=2,
+    timeout_s=120,
+    what="parallelize_module(ColwiseParallel, RowwiseParallel) on all GPUs == one process",
+)
 def tp_parity(w: Where) -> dict:
     return _ranks("tp_parity", w, w.nprocs)[0]
 
 
-@item("fsdp2_parity", chapter="07_sharding", min_gpus=2, timeout_s=120,
-      what="fully_shard on all GPUs, each rank on its part of the batch == one process on the whole batch")
+@item(
+    "fsdp2_parity",
+    chapter="07_sharding",
+    min_gpus=2,
+    timeout_s=120,
+    what="fully_shard on all GPUs, each rank on its part of the batch == one process on the whole batch",
+)
 def fsdp2_parity(w: Where) -> dict:
     return _ranks("fsdp2_parity", w, w.nprocs)[0]

@@ -4,6 +4,7 @@ Taught in notebooks/02_ddp.ipynb. One process per GPU with NCCL, or CPU processe
 
     torchrun --standalone --nproc-per-node 2 scripts/minimal_ddp.py --epochs 3
 """
+
 import argparse
 import os
 import sys
@@ -17,14 +18,20 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 def main(epochs: int, batch_size: int, lr: float) -> None:
-    local_rank = int(os.environ["LOCAL_RANK"])  # torchrun sets it, with RANK, WORLD_SIZE, MASTER_ADDR/PORT
-    cuda = torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])  # a GPU for every rank here
+    local_rank = int(
+        os.environ["LOCAL_RANK"]
+    )  # torchrun sets it, with RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    cuda = torch.cuda.device_count() >= int(
+        os.environ["LOCAL_WORLD_SIZE"]
+    )  # a GPU for every rank here
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     x, y = load_digits(return_X_y=True)  # 1,797 8×8 images; the first 1,792 = 28 × 64 are used
-    dataset = TensorDataset(torch.tensor(x[:1792] / 16, dtype=torch.float32), torch.tensor(y[:1792]))
+    dataset = TensorDataset(
+        torch.tensor(x[:1792] / 16, dtype=torch.float32), torch.tensor(y[:1792])
+    )
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)  # this rank's share of every epoch
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)  # batch_size: per rank
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
@@ -44,8 +51,11 @@ def main(epochs: int, batch_size: int, lr: float) -> None:
             total += torch.stack([loss.detach(), torch.ones((), device=device)])
         dist.all_reduce(total)  # one extra all-reduce per epoch, not per step
         if dist.get_rank() == 0:
-            print(f"epoch {epoch + 1}/{epochs}: mean loss {total[0] / total[1]:.4f} "
-                  f"({dist.get_world_size()} ranks × batch {batch_size})", flush=True)
+            print(
+                f"epoch {epoch + 1}/{epochs}: mean loss {total[0] / total[1]:.4f} "
+                f"({dist.get_world_size()} ranks × batch {batch_size})",
+                flush=True,
+            )
     dist.barrier()  # every rank is done before the group is torn down
     dist.destroy_process_group()
 

@@ -74,7 +74,9 @@ def read_notebook(path: Path) -> tuple[str, list[Exercise]]:
                 continue
             m = _HEADING.match(line.strip())
             if not m or m.group(1) != chapter:
-                raise ValueError(f"{path.name}: {line!r} is not '### Exercise {chapter}.k — title (≈ M min)'")
+                raise ValueError(
+                    f"{path.name}: {line!r} is not '### Exercise {chapter}.k — title (≈ M min)'"
+                )
             found.append(Exercise(chapter, int(m.group(2)), m.group(3), int(m.group(4))))
     return title, found
 
@@ -85,25 +87,38 @@ def _minutes(exercises: list[Exercise]) -> str:
 
 def table(notebooks: Path) -> str:
     """The Markdown between the markers (without them) for every ``NN_*.ipynb`` in ``notebooks``."""
-    lines = ["<!-- written by scripts/workshop_table.py from the notebooks' headings: do not edit by hand -->",
-             "", "| chapter | exercise | title | min | 3 h | day |", "|---|---|---|--:|:-:|:-:|"]
+    lines = [
+        "<!-- written by scripts/workshop_table.py from the notebooks' headings: do not edit by hand -->",
+        "",
+        "| chapter | exercise | title | min | 3 h | day |",
+        "|---|---|---|--:|:-:|:-:|",
+    ]
     every = []
     for path in sorted(p for p in notebooks.glob("*.ipynb") if _NOTEBOOK.match(p.stem)):
         title, exercises = read_notebook(path)
         chapter = _NOTEBOOK.match(path.stem).group(1)
-        tracks = [t for t, chapters in (("3 h", THREE_HOUR), ("day", FULL_DAY)) if chapter in chapters]
+        tracks = [
+            t for t, chapters in (("3 h", THREE_HOUR), ("day", FULL_DAY)) if chapter in chapters
+        ]
         name = f"`{path.stem}` {title}" + (f" ({', '.join(tracks)})" if tracks else "")
         if not exercises:
             lines.append(f"| {name} | — | no exercises yet | | | |")
             continue
         for i, e in enumerate(exercises):
-            lines.append(f"| {name if i == 0 else ''} | {e.id} | {e.title} | {e.minutes} | "
-                         f"{'✓' if e.three_hour else ''} | {'✓' if e.full_day else ''} |")
-        lines.append(f"| | | *chapter {chapter} total* | *{sum(e.minutes for e in exercises)}* | | |")
+            lines.append(
+                f"| {name if i == 0 else ''} | {e.id} | {e.title} | {e.minutes} | "
+                f"{'✓' if e.three_hour else ''} | {'✓' if e.full_day else ''} |"
+            )
+        lines.append(
+            f"| | | *chapter {chapter} total* | *{sum(e.minutes for e in exercises)}* | | |"
+        )
         every += exercises
-    lines += ["", f"All exercises: {_minutes(every)}. "
-              f"3-hour track: {_minutes([e for e in every if e.three_hour])}. "
-              f"Full-day track: {_minutes([e for e in every if e.full_day])}."]
+    lines += [
+        "",
+        f"All exercises: {_minutes(every)}. "
+        f"3-hour track: {_minutes([e for e in every if e.three_hour])}. "
+        f"Full-day track: {_minutes([e for e in every if e.full_day])}.",
+    ]
     return "\n".join(lines)
 
 
@@ -121,7 +136,11 @@ def rewrite(text: str, block: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="exit 1 (and change nothing) if the block is out of date")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 (and change nothing) if the block is out of date",
+    )
     p.add_argument("--notebooks", type=Path, default=ROOT / "notebooks")
     p.add_argument("--workshop", type=Path, default=ROOT / "WORKSHOP.md")
     args = p.parse_args(argv)
@@ -129,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     new = rewrite(text, table(args.notebooks))
     if args.check:
         if new != text:
-            print(f"{args.workshop.name}'s exercise table is out of date: run python scripts/workshop_table.py")
+            print(
+                f"{args.workshop.name}'s exercise table is out of date: run python scripts/workshop_table.py"
+            )
             return 1
         return 0
     if new != text:

@@ -6,29 +6,20 @@ from __future__ import annotations
 import os
 import time
 
-import psutil
 import pytest
 
-_SERVICES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+from mgtutorial.runtime.procs import non_service_children as rank_processes
 
-
-def rank_processes() -> list[psutil.Process]:
-    """Children of this test process, ranks included, except multiprocessing's resource tracker and
-    fork server (which serve every launch of the session and end with it)."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            cmd, parent = " ".join(p.cmdline()), " ".join(p.parent().cmdline())
-            service = any(s in cmd for s in _SERVICES) and not any(s in parent for s in _SERVICES)
-            if not service and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
-
-
-_STEERING = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+_STEERING = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+)
 
 
 def _steering_env() -> dict[str, str]:

@@ -10,35 +10,51 @@ import pytest
 import torch
 from torch import nn
 
-from mgtutorial import article as A
 from mgtutorial import launch
-from mgtutorial import model_parallel as MP
-from mgtutorial.launch import WorkerFailed
-from mgtutorial.models import ArticleCNN, ArticleMLP, cnn_flatten_size
-from mgtutorial.timeline import ActivationMeter
+from mgtutorial.article import ddp_flaws as A
+from mgtutorial.common.models import ArticleCNN, ArticleMLP, cnn_flatten_size
+from mgtutorial.pipeline import naive as MP
+from mgtutorial.pipeline.timeline import ActivationMeter
+from mgtutorial.runtime.run import WorkerFailed
 
 
 def _flaw(flaw, runs, **kw):
-    return launch(A.flaw_worker, A.FlawConfig(flaw=flaw, **kw), 2, runs_dir=runs).wait(timeout=60).values
+    return (
+        launch(A.flaw_worker, A.FlawConfig(flaw=flaw, **kw), 2, runs_dir=runs)
+        .wait(timeout=60)
+        .values
+    )
 
 
 def test_flatten_4608_fails_or_silently_makes_wrong_rows():
-    conv, pool = nn.Conv2d(3, 32, 5), nn.MaxPool2d(2)  # the sample's layers, as the notebook has them
+    conv, pool = (
+        nn.Conv2d(3, 32, 5),
+        nn.MaxPool2d(2),
+    )  # the sample's layers, as the notebook has them
     features = lambda b: pool(torch.relu(conv(torch.zeros(b, 3, 32, 32))))  # noqa: E731
-    with pytest.raises(RuntimeError, match=r"shape '\[-1, 4608\]' is invalid for input of size 25088"):
+    with pytest.raises(
+        RuntimeError, match=r"shape '\[-1, 4608\]' is invalid for input of size 25088"
+    ):
         features(4).view(-1, 4608)
     rows = features(36).view(-1, 4608)
     assert rows.shape == (49, 4608)  # no error: 36 images became 49 rows
-    with pytest.raises(ValueError, match=r"Expected input batch_size \(49\) to match target batch_size \(36\)"):
+    with pytest.raises(
+        ValueError, match=r"Expected input batch_size \(49\) to match target batch_size \(36\)"
+    ):
         nn.functional.cross_entropy(nn.Linear(4608, 10)(rows), torch.zeros(36, dtype=torch.long))
-    assert cnn_flatten_size((3, 32, 32)) == 6272 and ArticleCNN()(torch.zeros(36, 3, 32, 32)).shape == (36, 10)
+    assert cnn_flatten_size((3, 32, 32)) == 6272 and ArticleCNN()(
+        torch.zeros(36, 3, 32, 32)
+    ).shape == (36, 10)
 
 
 @pytest.mark.timeout(60)
 def test_ddp_device_ids_with_cpu_module_and_the_fix(runs, no_leftovers):
     values = _flaw("device_ids", runs)
     for r, v in values.items():
-        assert f"got device_ids [{r}]" in v["as_written"] and "module parameters {device(type='cpu')}" in v["as_written"]
+        assert (
+            f"got device_ids [{r}]" in v["as_written"]
+            and "module parameters {device(type='cpu')}" in v["as_written"]
+        )
         assert v["fixed"] == "DistributedDataParallel on cpu"
 
 
@@ -74,19 +90,29 @@ def test_no_destroy_leaves_the_group_up(runs, no_leftovers):
 
 @pytest.mark.timeout(60)
 def test_rank_equals_gpu_index_collides_on_two_nodes(runs, no_leftovers):
-    run = launch(A.rank_from_gpu_worker, A.RankConfig(gpus_per_node=1, timeout_s=5), 2, runs_dir=runs)
+    run = launch(
+        A.rank_from_gpu_worker, A.RankConfig(gpus_per_node=1, timeout_s=5), 2, runs_dir=runs
+    )
     with pytest.raises(WorkerFailed, match="EADDRINUSE|address already in use|timeout|Timed out"):
         run.wait(timeout=40)
-    claims = [r["claimed_rank"] for r in A.runlog.read_run(run.run_dir) if r.get("kind") == "rank_claim"]
+    claims = [
+        r["claimed_rank"] for r in A.runlog.read_run(run.run_dir) if r.get("kind") == "rank_claim"
+    ]
     assert claims == [0, 0]
-    fixed = launch(A.rank_from_gpu_worker, A.RankConfig(gpus_per_node=1, use_local_rank_as_rank=False), 2,
-                   runs_dir=runs).wait(timeout=40)
+    fixed = launch(
+        A.rank_from_gpu_worker,
+        A.RankConfig(gpus_per_node=1, use_local_rank_as_rank=False),
+        2,
+        runs_dir=runs,
+    ).wait(timeout=40)
     assert {v["rank"] for v in fixed.values.values()} == {0, 1}
 
 
 @pytest.mark.timeout(90)
 def test_world_size_gpus_times_subnets_waits_for_ranks_that_never_come(runs, no_leftovers):
-    cfg = A.RankConfig(use_local_rank_as_rank=False, claimed_world_size=6, gpus_per_node=2, timeout_s=4)
+    cfg = A.RankConfig(
+        use_local_rank_as_rank=False, claimed_world_size=6, gpus_per_node=2, timeout_s=4
+    )
     with pytest.raises(WorkerFailed, match="timeout|Timed out"):
         launch(A.rank_from_gpu_worker, cfg, 3, runs_dir=runs).wait(timeout=60)
 
@@ -124,7 +150,11 @@ def test_retain_graph_keeps_a_steps_activations_alive():
 @pytest.mark.timeout(60)
 def test_model_parallel_sample_is_whole_copies(runs, no_leftovers):
     res = launch(MP.article_worker, MP.ArticleConfig(steps=3), 2, runs_dir=runs).wait(timeout=40)
-    assert res.values[0]["parameters"] == res.values[1]["parameters"] == MP.models.count_parameters(MP.models.ArticleMLP())
+    assert (
+        res.values[0]["parameters"]
+        == res.values[1]["parameters"]
+        == MP.models.count_parameters(MP.models.ArticleMLP())
+    )
     records = A.runlog.read_run(res.run_dir)
     start = {r["rank"]: r["checksum"] for r in A.runlog.of_kind(records, "article_start")}
     sums = {(r["rank"], r["step"]): r["checksum"] for r in A.runlog.of_kind(records, "article")}
@@ -137,11 +167,19 @@ def test_synchronised_copies_equal_one_model_on_both_batches(runs, no_leftovers,
     from mgtutorial.exercises import ch06b
 
     sync = tmp_path / "sync.py"
-    sync.write_text("import torch.distributed as dist\n\ndef sync_gradients(model, ctx):\n"
-                    "    for p in model.parameters():\n        dist.all_reduce(p.grad)\n"
-                    "        p.grad /= ctx.world_size\n")
-    res = launch(ch06b.sync_worker, ch06b.SyncConfig(path=str(sync), steps=3), 2, runs_dir=runs).wait(timeout=40)
+    sync.write_text(
+        "import torch.distributed as dist\n\ndef sync_gradients(model, ctx):\n"
+        "    for p in model.parameters():\n        dist.all_reduce(p.grad)\n"
+        "        p.grad /= ctx.world_size\n"
+    )
+    res = launch(
+        ch06b.sync_worker, ch06b.SyncConfig(path=str(sync), steps=3), 2, runs_dir=runs
+    ).wait(timeout=40)
     reference = MP.combined_batch_reference(MP.ArticleConfig(steps=3), nprocs=2)
     for r in (0, 1):
-        torch.testing.assert_close(torch.load(res.run_dir / f"rank{r}-model.pt", map_location="cpu", weights_only=True),
-                                   reference, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(
+            torch.load(res.run_dir / f"rank{r}-model.pt", map_location="cpu", weights_only=True),
+            reference,
+            rtol=1e-4,
+            atol=1e-6,
+        )

@@ -11,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from mgtutorial import ddp, env, pipeline, runlog
+from mgtutorial import ddp
 from mgtutorial.__main__ import _config, build_parser, field_docs
+from mgtutorial.common import data
+from mgtutorial.hello import HelloConfig
+from mgtutorial.pipeline import schedules as pipeline
+from mgtutorial.runtime import runlog
 
 ARGS = ["ddp", "--epochs", "1", "--max-steps", "6", "--dataset", "digits"]
 
@@ -34,8 +38,13 @@ def _check_run_dir(run_dir: Path):
 
 @pytest.mark.timeout(120)
 def test_cli_launches_locally(runs, no_leftovers):
-    out = subprocess.run([sys.executable, "-m", "mgtutorial", *ARGS, "--nproc", "2", "--runs-dir", str(runs)],
-                         capture_output=True, text=True, timeout=100, env=_env())
+    out = subprocess.run(
+        [sys.executable, "-m", "mgtutorial", *ARGS, "--nproc", "2", "--runs-dir", str(runs)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=_env(),
+    )
     assert out.returncode == 0, out.stderr
     assert "final test accuracy" in out.stdout
     (run_dir,) = runs.iterdir()
@@ -45,9 +54,25 @@ def test_cli_launches_locally(runs, no_leftovers):
 @pytest.mark.timeout(120)
 def test_cli_under_torchrun_does_not_launch_again(runs, no_leftovers):
     torchrun = Path(sys.executable).with_name("torchrun")
-    out = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "mgtutorial", *ARGS,
-                          "--runs-dir", str(runs), "--run-name", "tr"],
-                         capture_output=True, text=True, timeout=100, env=_env())
+    out = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "mgtutorial",
+            *ARGS,
+            "--runs-dir",
+            str(runs),
+            "--run-name",
+            "tr",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "final test accuracy" in out.stdout
     assert [p.name for p in runs.iterdir()] == ["tr"]  # one run directory: no nested launch
@@ -55,21 +80,47 @@ def test_cli_under_torchrun_does_not_launch_again(runs, no_leftovers):
 
 
 def test_cli_bad_dataset_is_refused():
-    out = subprocess.run([sys.executable, "-m", "mgtutorial", "ddp", "--dataset", "imagenet"],
-                         capture_output=True, text=True, timeout=60, env=_env())
+    out = subprocess.run(
+        [sys.executable, "-m", "mgtutorial", "ddp", "--dataset", "imagenet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
     assert out.returncode == 2 and "invalid choice" in out.stderr
 
 
 def test_cli_refuses_missing_cifar10_before_any_rank(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "mgtutorial", "ddp", "--dataset", "cifar10", "--data-root",
-                          str(tmp_path / "none"), "--runs-dir", str(tmp_path / "runs")],
-                         capture_output=True, text=True, timeout=60, env=_env())
-    assert out.returncode == 1 and "CIFAR-10 is not in" in out.stderr and "python -m mgtutorial data cifar10" in out.stderr
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mgtutorial",
+            "ddp",
+            "--dataset",
+            "cifar10",
+            "--data-root",
+            str(tmp_path / "none"),
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
+    assert (
+        out.returncode == 1
+        and "CIFAR-10 is not in" in out.stderr
+        and "python -m mgtutorial data cifar10" in out.stderr
+    )
     assert not (tmp_path / "runs").exists()  # no run directory: no rank was started
 
 
-@pytest.mark.parametrize("command, cls", [("ddp", ddp.DDPConfig), ("pipeline", pipeline.PipelineConfig),
-                                          ("hello", env.HelloConfig)])
+@pytest.mark.parametrize(
+    "command, cls",
+    [("ddp", ddp.DDPConfig), ("pipeline", pipeline.PipelineConfig), ("hello", HelloConfig)],
+)
 def test_options_are_the_config_fields_with_their_defaults(command, cls):
     args = build_parser().parse_args([command])
     assert _config(args) == cls()  # every field, and the same defaults as the dataclass
@@ -78,30 +129,69 @@ def test_options_are_the_config_fields_with_their_defaults(command, cls):
 
 
 def test_options_set_config_fields():
-    args = build_parser().parse_args(["ddp", "--no-evaluate", "--timeout", "5", "--max-steps", "3",
-                                      "--fail-how", "sigkill", "--resume"])
-    assert _config(args) == ddp.DDPConfig(evaluate=False, timeout_s=5.0, max_steps=3, fail_how="sigkill",
-                                          resume=True)
+    args = build_parser().parse_args(
+        [
+            "ddp",
+            "--no-evaluate",
+            "--timeout",
+            "5",
+            "--max-steps",
+            "3",
+            "--fail-how",
+            "sigkill",
+            "--resume",
+        ]
+    )
+    assert _config(args) == ddp.DDPConfig(
+        evaluate=False, timeout_s=5.0, max_steps=3, fail_how="sigkill", resume=True
+    )
     args = build_parser().parse_args(["pipeline", "--microbatches", "2", "--sizes", "8", "4", "2"])
     assert _config(args) == pipeline.PipelineConfig(n_microbatches=2, sizes=[8, 4, 2])
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("argv, expect", [
-    (["hello", "--nproc", "2"], "sum of ranks 1"),
-    (["pipeline", "--nproc", "2", "--steps", "2", "--batch-size", "16", "--sizes", "32", "16", "8"],
-     "stage 0 peak activations"),
-])
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["hello", "--nproc", "2"], "sum of ranks 1"),
+        (
+            [
+                "pipeline",
+                "--nproc",
+                "2",
+                "--steps",
+                "2",
+                "--batch-size",
+                "16",
+                "--sizes",
+                "32",
+                "16",
+                "8",
+            ],
+            "stage 0 peak activations",
+        ),
+    ],
+)
 def test_cli_hello_and_pipeline(argv, expect, runs, no_leftovers):
-    out = subprocess.run([sys.executable, "-m", "mgtutorial", *argv, "--runs-dir", str(runs)],
-                         capture_output=True, text=True, timeout=100, env=_env())
+    out = subprocess.run(
+        [sys.executable, "-m", "mgtutorial", *argv, "--runs-dir", str(runs)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert expect in out.stdout
 
 
 def test_cli_describe():
-    out = subprocess.run([sys.executable, "-m", "mgtutorial", "describe"], capture_output=True, text=True,
-                         timeout=60, env=_env())
+    out = subprocess.run(
+        [sys.executable, "-m", "mgtutorial", "describe"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
     assert out.returncode == 0 and "backend: " in out.stdout and "default_nprocs: " in out.stdout
 
 
@@ -120,6 +210,7 @@ def test_cli_interrupt_says_ranks_were_stopped(monkeypatch, capsys):
 
     def interrupted(*args):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(cli, "_launch_locally", interrupted)
     assert cli.main(ARGS) == 130
     assert capsys.readouterr().err == "interrupted: every rank was stopped.\n"
@@ -130,7 +221,8 @@ def test_cli_data_offline_is_an_error_with_the_fix(monkeypatch, tmp_path, capsys
 
     def offline(root, download):
         raise OSError("[Errno -3] Temporary failure in name resolution")
-    monkeypatch.setattr(cli.data, "load_cifar10", offline)
+
+    monkeypatch.setattr(data, "load_cifar10", offline)
     assert cli.main(["data", "cifar10", "--root", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "could not download CIFAR-10" in err and "digits" in err
@@ -139,13 +231,21 @@ def test_cli_data_offline_is_an_error_with_the_fix(monkeypatch, tmp_path, capsys
 def test_cli_under_torchrun_refuses_before_writing_anything(monkeypatch, tmp_path, capsys):
     from mgtutorial import __main__ as cli
 
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": "29500"}.items():
+    for name, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
         monkeypatch.setenv(name, value)
     # set here (as torchrun's ranks would derive it), so that monkeypatch restores the environment:
     # the CLI sets it with setdefault, and a variable left behind would redirect every later run
     monkeypatch.setenv(runlog.RUN_DIR_ENV, str(tmp_path / "refused"))
-    assert cli.main(["ddp", "--epochs", "0", "--runs-dir", str(tmp_path), "--run-name", "refused"]) == 1
+    assert (
+        cli.main(["ddp", "--epochs", "0", "--runs-dir", str(tmp_path), "--run-name", "refused"])
+        == 1
+    )
     assert "epochs=0" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
 

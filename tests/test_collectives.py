@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-from mgtutorial import collectives as C
-from mgtutorial import ddp_internals as DI
-from mgtutorial import ddp, env, launch, runlog
-from mgtutorial.launch import WorkerFailed
+from mgtutorial import ddp, launch
+from mgtutorial.common import models
+from mgtutorial.ddp import collectives as C
+from mgtutorial.ddp import internals as DI
+from mgtutorial.runtime import env, runlog
+from mgtutorial.runtime.run import WorkerFailed
 
 COMMON = dict(dataset="synthetic", batch_size=8, max_steps=4, evaluate=False)
 
@@ -49,9 +49,13 @@ def test_collectives_tour_values(runs, no_leftovers):
 @pytest.mark.timeout(120)
 def test_from_scratch_equals_ddp_equals_single_process(runs, no_leftovers):
     scratch, lib = runs / "scratch.pt", runs / "ddp.pt"
-    r = launch(C.scratch_worker, ddp.DDPConfig(checkpoint=str(scratch), **COMMON), 2, runs_dir=runs).wait(timeout=60)
+    r = launch(
+        C.scratch_worker, ddp.DDPConfig(checkpoint=str(scratch), **COMMON), 2, runs_dir=runs
+    ).wait(timeout=60)
     assert r.values[0]["allreduce_calls_per_step"] == 6  # one per parameter tensor, no buckets
-    launch(ddp.worker, ddp.DDPConfig(checkpoint=str(lib), **COMMON), 2, runs_dir=runs).wait(timeout=60)
+    launch(ddp.worker, ddp.DDPConfig(checkpoint=str(lib), **COMMON), 2, runs_dir=runs).wait(
+        timeout=60
+    )
     reference = ddp.combined_batch_reference(ddp.DDPConfig(**COMMON), 2).state_dict()
     _assert_same(_params(scratch), _params(lib))
     _assert_same(_params(scratch), reference)
@@ -65,8 +69,12 @@ def test_accumulation_syncs_once_per_step_and_equals_combined_data(runs, no_left
     run.wait(timeout=60)
     syncs = [r for r in runlog.read_run(run.run_dir) if r.get("kind") == "sync"]
     assert len(syncs) == 2 * COMMON["max_steps"]
-    assert all(r["allreduce_calls"] == 1 for r in syncs)  # one 25 MiB bucket, once per optimizer step
-    reference = ddp.combined_batch_reference(ddp.DDPConfig(**{**COMMON, "batch_size": k * COMMON["batch_size"]}), 2)
+    assert all(
+        r["allreduce_calls"] == 1 for r in syncs
+    )  # one 25 MiB bucket, once per optimizer step
+    reference = ddp.combined_batch_reference(
+        ddp.DDPConfig(**{**COMMON, "batch_size": k * COMMON["batch_size"]}), 2
+    )
     _assert_same(_params(ckpt), reference.state_dict())
 
 
@@ -75,7 +83,7 @@ def test_smaller_buckets_mean_more_allreduce_calls(runs, no_leftovers):
     run = launch(DI.hooks_worker, DI.HooksConfig(bucket_cap_mb=0.5, **COMMON), 2, runs_dir=runs)
     run.wait(timeout=40)
     last = [r for r in runlog.read_run(run.run_dir) if r.get("kind") == "sync" and r["step"] == 4]
-    n_params = sum(p.numel() for p in ddp.models.ArticleCNN().parameters())
+    n_params = sum(p.numel() for p in models.ArticleCNN().parameters())
     for r in last:
         assert r["allreduce_calls"] >= 2 and sum(r["bucket_sizes"]) == n_params
 
@@ -83,10 +91,18 @@ def test_smaller_buckets_mean_more_allreduce_calls(runs, no_leftovers):
 @pytest.mark.timeout(60)
 def test_unused_parameter_fails_fast_and_flag_fixes_it(runs, no_leftovers):
     with pytest.raises(WorkerFailed, match="find_unused_parameters=True"):  # not the 600 s timeout
-        launch(DI.pitfall_worker, DI.PitfallConfig(unused_layer=True, timeout_s=600, **COMMON), 2,
-               runs_dir=runs).wait(timeout=40)
-    r = launch(DI.pitfall_worker, DI.PitfallConfig(unused_layer=True, find_unused_parameters=True, **COMMON), 2,
-               runs_dir=runs).wait(timeout=40)
+        launch(
+            DI.pitfall_worker,
+            DI.PitfallConfig(unused_layer=True, timeout_s=600, **COMMON),
+            2,
+            runs_dir=runs,
+        ).wait(timeout=40)
+    r = launch(
+        DI.pitfall_worker,
+        DI.PitfallConfig(unused_layer=True, find_unused_parameters=True, **COMMON),
+        2,
+        runs_dir=runs,
+    ).wait(timeout=40)
     assert r.values[0]["steps"] == COMMON["max_steps"]
 
 
@@ -118,6 +134,8 @@ def test_async_allreduce_returns_before_the_late_rank_arrives(runs, no_leftovers
     cfg = C.TourConfig(size=4, barrier_delay_s=0.5)
     r = launch(C.async_allreduce, cfg, 2, runs_dir=runs).wait(timeout=40).values
     assert r[0]["completed_after_call"] is False  # rank 1 had not called it yet
-    assert r[0]["returned"] < r[1]["called"] <= r[0]["done"]  # rank 0 waited in wait(), not in the call
+    assert (
+        r[0]["returned"] < r[1]["called"] <= r[0]["done"]
+    )  # rank 0 waited in wait(), not in the call
     for v in r.values():
         assert v["result"] == [10.0, 12.0, 14.0, 16.0]

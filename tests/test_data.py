@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mgtutorial import data
+from mgtutorial.common import data
 
 
 def test_digits_are_real_offline_and_fixed():
@@ -34,7 +34,9 @@ def _orders(n, world_size, seed, epoch, shuffle=True):
     ds = torch.utils.data.TensorDataset(torch.arange(n))
     out = []
     for r in range(world_size):
-        loader = data.train_loader(ds, batch_size=4, rank=r, world_size=world_size, seed=seed, shuffle=shuffle)
+        loader = data.train_loader(
+            ds, batch_size=4, rank=r, world_size=world_size, seed=seed, shuffle=shuffle
+        )
         loader.sampler.set_epoch(epoch)
         out.append([int(i) for (b,) in loader for i in b])
     return out
@@ -92,6 +94,7 @@ def test_waiting_for_cifar10_gives_up_with_a_reason(tmp_path, monkeypatch):
 
     def never_complete(*args, **kwargs):
         raise RuntimeError("Dataset not found or corrupted.")
+
     monkeypatch.setattr(torchvision.datasets, "CIFAR10", never_complete)
     with pytest.raises(TimeoutError, match="local rank 0's download"):
         data.wait_for_cifar10(tmp_path, timeout_s=0, period_s=0)

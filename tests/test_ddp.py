@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import workers
-from mgtutorial import ddp, launch, models, runlog
+
+from mgtutorial import ddp, launch
+from mgtutorial.common import checkpoint, models
+from mgtutorial.runtime import runlog
 
 
 def _params(path):
@@ -16,8 +18,14 @@ def _params(path):
 @pytest.mark.timeout(90)
 def test_ddp_equals_single_process_on_combined_batch(runs, no_leftovers):
     ckpt = runs / "ddp.pt"
-    cfg = ddp.DDPConfig(dataset="synthetic", batch_size=8, max_steps=5, lr=0.05, evaluate=False,
-                        checkpoint=str(ckpt))
+    cfg = ddp.DDPConfig(
+        dataset="synthetic",
+        batch_size=8,
+        max_steps=5,
+        lr=0.05,
+        evaluate=False,
+        checkpoint=str(ckpt),
+    )
     launch(ddp.worker, cfg, 2, runs_dir=runs).wait(timeout=60)
     got = _params(ckpt)
     ref = ddp.combined_batch_reference(cfg, 2).state_dict()
@@ -44,7 +52,9 @@ def test_global_loss_is_mean_over_ranks(runs, no_leftovers):
 def test_checkpoint_written_once_loads_strict_and_resume_continues(runs, no_leftovers):
     common = dict(dataset="synthetic", batch_size=16, evaluate=False)
     ckpt = runs / "resume.pt"
-    run1 = launch(ddp.worker, ddp.DDPConfig(epochs=1, checkpoint=str(ckpt), **common), 2, runs_dir=runs)
+    run1 = launch(
+        ddp.worker, ddp.DDPConfig(epochs=1, checkpoint=str(ckpt), **common), 2, runs_dir=runs
+    )
     r1 = run1.wait(timeout=60)
     saves = [r for r in runlog.read_run(run1.run_dir) if r.get("kind") == "checkpoint"]
     assert [(s["rank"], s["epoch"]) for s in saves] == [(0, 1)]  # rank 0 only, once per epoch
@@ -54,13 +64,23 @@ def test_checkpoint_written_once_loads_strict_and_resume_continues(runs, no_left
     models.ArticleCNN((3, 32, 32)).load_state_dict(state["model"], strict=True)
     assert not list(runs.glob("*.tmp"))
 
-    run2 = launch(ddp.worker, ddp.DDPConfig(epochs=2, checkpoint=str(ckpt), resume=True, **common), 2,
-                  runs_dir=runs)
+    run2 = launch(
+        ddp.worker,
+        ddp.DDPConfig(epochs=2, checkpoint=str(ckpt), resume=True, **common),
+        2,
+        runs_dir=runs,
+    )
     run2.wait(timeout=60)
-    steps = [r["step"] for r in runlog.read_run(run2.run_dir) if r.get("kind") == "train" and r["rank"] == 0]
+    steps = [
+        r["step"]
+        for r in runlog.read_run(run2.run_dir)
+        if r.get("kind") == "train" and r["rank"] == 0
+    ]
     assert steps[0] == state["step"] + 1  # continues, does not start over
     straight = runs / "straight.pt"
-    launch(ddp.worker, ddp.DDPConfig(epochs=2, checkpoint=str(straight), **common), 2, runs_dir=runs).wait(timeout=60)
+    launch(
+        ddp.worker, ddp.DDPConfig(epochs=2, checkpoint=str(straight), **common), 2, runs_dir=runs
+    ).wait(timeout=60)
     resumed, uninterrupted = _params(ckpt), _params(straight)
     for k in uninterrupted:
         torch.testing.assert_close(resumed[k], uninterrupted[k])
@@ -68,8 +88,12 @@ def test_checkpoint_written_once_loads_strict_and_resume_continues(runs, no_left
 
 @pytest.mark.timeout(120)
 def test_max_steps_cut_epoch_resumes_mid_epoch(runs, no_leftovers):
-    common = dict(dataset="synthetic", batch_size=16, evaluate=False, checkpoint=str(runs / "cut.pt"))
-    launch(ddp.worker, ddp.DDPConfig(epochs=1, max_steps=3, **common), 2, runs_dir=runs).wait(timeout=60)
+    common = dict(
+        dataset="synthetic", batch_size=16, evaluate=False, checkpoint=str(runs / "cut.pt")
+    )
+    launch(ddp.worker, ddp.DDPConfig(epochs=1, max_steps=3, **common), 2, runs_dir=runs).wait(
+        timeout=60
+    )
     state = torch.load(runs / "cut.pt", weights_only=True)
     assert (state["epoch"], state["batch"], state["step"]) == (0, 3, 3)  # not "1 epoch done"
     run = launch(ddp.worker, ddp.DDPConfig(epochs=1, resume=True, **common), 2, runs_dir=runs)
@@ -83,10 +107,10 @@ def test_checkpoint_roundtrip_without_processes(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     opt.step()
-    ddp.save_checkpoint(tmp_path / "c.pt", model, opt, epoch=3, step=7)
+    checkpoint.save_checkpoint(tmp_path / "c.pt", model, opt, epoch=3, step=7)
     fresh = models.ArticleCNN()
     opt2 = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-    state = ddp.load_checkpoint(tmp_path / "c.pt", fresh, opt2)
+    state = checkpoint.load_checkpoint(tmp_path / "c.pt", fresh, opt2)
     assert (state["epoch"], state["step"]) == (3, 7)
     for a, b in zip(model.parameters(), fresh.parameters()):
         torch.testing.assert_close(a, b)
@@ -100,8 +124,10 @@ def test_load_checkpoint_names_a_file_it_did_not_write(tmp_path, content):
         torch.save({"weights": torch.zeros(2)}, path)
     else:
         path.write_bytes(content)
-    with pytest.raises(ValueError, match="c.pt .*(is not a checkpoint written by|holds no 'model')"):
-        ddp.load_checkpoint(path, models.ArticleCNN())
+    with pytest.raises(
+        ValueError, match="c.pt .*(is not a checkpoint written by|holds no 'model')"
+    ):
+        checkpoint.load_checkpoint(path, models.ArticleCNN())
 
 
 @pytest.mark.timeout(90)
@@ -110,11 +136,20 @@ def test_epoch_line_is_epoch_mean_and_throughput_counts_training_time(runs, no_l
     run = launch(ddp.worker, cfg, 2, runs_dir=runs)
     res = run.wait(timeout=60)
     recs = [r for r in runlog.read_run(run.run_dir) if r.get("kind") == "train" and r["rank"] == 0]
-    printed = [float(ln.rsplit(" ", 1)[1]) for ln in run.log_path(0, "out").read_text().splitlines()
-               if "epoch mean loss" in ln]
-    means = [sum(r["global_loss"] for r in recs if r["epoch"] == e) / sum(r["epoch"] == e for r in recs)
-             for e in (0, 1)]
+    printed = [
+        float(ln.rsplit(" ", 1)[1])
+        for ln in run.log_path(0, "out").read_text().splitlines()
+        if "epoch mean loss" in ln
+    ]
+    means = [
+        sum(r["global_loss"] for r in recs if r["epoch"] == e) / sum(r["epoch"] == e for r in recs)
+        for e in (0, 1)
+    ]
     assert printed == pytest.approx(means, abs=5e-5)  # 4 decimals printed
-    assert printed[1] != pytest.approx(recs[-1]["global_loss"], abs=5e-5)  # not the last step's loss
+    assert printed[1] != pytest.approx(
+        recs[-1]["global_loss"], abs=5e-5
+    )  # not the last step's loss
     for v in res.values.values():
-        assert v["samples"] == 2 * 128 and v["samples_per_s"] * v["train_time_s"] == pytest.approx(v["samples"])
+        assert v["samples"] == 2 * 128 and v["samples_per_s"] * v["train_time_s"] == pytest.approx(
+            v["samples"]
+        )

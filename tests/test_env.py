@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mgtutorial import env
+from mgtutorial.runtime import env
 
 
 def test_auto_backend_follows_hardware(monkeypatch):

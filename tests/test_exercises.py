@@ -20,9 +20,12 @@ from mgtutorial.exercises._common import PASS, ExerciseError, answered, attempt
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-WITH_EXERCISES = [p for p in NOTEBOOKS
-                  if (s := edition.exercises_start(nbformat.read(p, as_version=4))) is not None
-                  and any(c.cell_type == "code" for c in nbformat.read(p, as_version=4).cells[s:])]
+WITH_EXERCISES = [
+    p
+    for p in NOTEBOOKS
+    if (s := edition.exercises_start(nbformat.read(p, as_version=4))) is not None
+    and any(c.cell_type == "code" for c in nbformat.read(p, as_version=4).cells[s:])
+]
 
 
 def _text(cell) -> str:
@@ -35,14 +38,19 @@ def pass_lines(cell) -> list[str]:
 
 def checker_cells(nb) -> list[int]:
     """Indices (among the Exercises section's code cells) of the cells whose committed output has a ✓ line."""
-    section = [c for c in nb.cells[edition.exercises_start(nb):] if c.cell_type == "code"]
+    section = [c for c in nb.cells[edition.exercises_start(nb) :] if c.cell_type == "code"]
     return [i for i, c in enumerate(section) if pass_lines(c)]
 
 
 def exercise_headings(nb) -> list[str]:
     """The ``### Exercise`` heading lines of ``nb``'s Exercises section."""
-    return [line for c in nb.cells[edition.exercises_start(nb):] if c.cell_type == "markdown"
-            for line in c.source.splitlines() if line.startswith("### Exercise")]
+    return [
+        line
+        for c in nb.cells[edition.exercises_start(nb) :]
+        if c.cell_type == "markdown"
+        for line in c.source.splitlines()
+        if line.startswith("### Exercise")
+    ]
 
 
 def run_section(nb, tmp_path: Path):
@@ -51,8 +59,13 @@ def run_section(nb, tmp_path: Path):
     tmp_path.mkdir(parents=True, exist_ok=True)
     section = nbformat.v4.new_notebook(metadata=nb.metadata)
     section.cells = [c for c in nb.cells[start:] if c.cell_type == "code"]
-    NotebookClient(section, timeout=300, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        section,
+        timeout=300,
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": str(tmp_path)}},
+    ).execute()
     return section.cells
 
 
@@ -62,53 +75,66 @@ def errors(cell) -> list:
 
 # --- both ways, per notebook --------------------------------------------------------------------
 
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.stem)
 def test_solutions_pass_and_starters_fail(path, tmp_path):
     instructor = nbformat.read(path, as_version=4)
-    committed = [c for c in instructor.cells[edition.exercises_start(instructor):] if c.cell_type == "code"]
+    committed = [
+        c for c in instructor.cells[edition.exercises_start(instructor) :] if c.cell_type == "code"
+    ]
     checkers = checker_cells(instructor)
     assert checkers, f"{path.name}: no exercise cell prints a {PASS} line in the committed notebook"
 
     solved = run_section(instructor, tmp_path / "instructor")
     for i, cell in enumerate(solved):
-        assert not errors(cell), f"{path.name} exercise cell {i} fails on its solution:\n" \
-                                 f"{errors(cell)[0].ename}: {errors(cell)[0].evalue}"
+        assert not errors(cell), (
+            f"{path.name} exercise cell {i} fails on its solution:\n"
+            f"{errors(cell)[0].ename}: {errors(cell)[0].evalue}"
+        )
     for i in checkers:
-        assert pass_lines(solved[i]) == pass_lines(committed[i]), \
+        assert pass_lines(solved[i]) == pass_lines(committed[i]), (
             f"{path.name} exercise cell {i}: {pass_lines(solved[i])} != committed {pass_lines(committed[i])}"
+        )
 
     started = run_section(edition.student_notebook(instructor, path.name), tmp_path / "student")
     for i in checkers:
         cell, exercise = started[i], pass_lines(committed[i])[0][2:].split(":")[0]
         assert not pass_lines(cell), f"{path.name}: the untouched starter passes {exercise}"
         errs = errors(cell)
-        assert errs and errs[0].ename in ("ExerciseError", "RankFailed"), \
-            f"{path.name}: the starter of {exercise} fails with " + \
-            (f"{errs[0].ename}: {errs[0].evalue}" if errs else "nothing") + " instead of a hint"
+        assert errs and errs[0].ename in ("ExerciseError", "RankFailed"), (
+            f"{path.name}: the starter of {exercise} fails with "
+            + (f"{errs[0].ename}: {errs[0].evalue}" if errs else "nothing")
+            + " instead of a hint"
+        )
         hint = errs[0].evalue
-        assert hint.startswith(exercise + ": ") and len(hint) > len(exercise) + 20, \
+        assert hint.startswith(exercise + ": ") and len(hint) > len(exercise) + 20, (
             f"{path.name}: {exercise}'s starter fails without a specific hint: {hint!r}"
+        )
 
 
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.stem)
 def test_every_exercise_has_a_checker_cell(path):
     nb = nbformat.read(path, as_version=4)
     headings, checkers = exercise_headings(nb), checker_cells(nb)
-    assert len(checkers) == len(headings), \
-        f"{path.name}: {len(headings)} '### Exercise' headings but {len(checkers)} checker cells (code cells " \
-        f"whose committed output has a {PASS} line): each exercise needs its checker, run in the committed " \
+    assert len(checkers) == len(headings), (
+        f"{path.name}: {len(headings)} '### Exercise' headings but {len(checkers)} checker cells (code cells "
+        f"whose committed output has a {PASS} line): each exercise needs its checker, run in the committed "
         f"notebook; headings: {headings}"
+    )
 
 
 def test_the_course_has_as_many_checkers_as_exercises():
     notebooks = [nbformat.read(p, as_version=4) for p in WITH_EXERCISES]
     headings = sum(len(exercise_headings(nb)) for nb in notebooks)
-    assert headings >= 52, f"only {headings} '### Exercise' headings in the course (52 when this was written)"
+    assert headings >= 52, (
+        f"only {headings} '### Exercise' headings in the course (52 when this was written)"
+    )
     assert sum(len(checker_cells(nb)) for nb in notebooks) == headings
 
 
 # --- the student edition ------------------------------------------------------------------------
+
 
 def test_student_edition_has_no_solution(tmp_path):
     written = edition.make_student(ROOT / "notebooks", tmp_path / "student")
@@ -121,11 +147,21 @@ def test_student_edition_has_no_solution(tmp_path):
         start = edition.exercises_start(instructor)
         for i, (a, b) in enumerate(zip(instructor.cells, student.cells)):
             assert edition.BEGIN not in b.source and edition.END not in b.source
-            starters = [line.split("# STARTER:", 1)[1] for line in a.source.splitlines() if "# STARTER:" in line]
-            for block in re.findall(r"BEGIN SOLUTION.*?\n(.*?)\n[^\n]*END SOLUTION", a.source, re.S):
-                for line in block.splitlines():  # a line the starter has too (e.g. the step to extend) is not solution text
+            starters = [
+                line.split("# STARTER:", 1)[1]
+                for line in a.source.splitlines()
+                if "# STARTER:" in line
+            ]
+            for block in re.findall(
+                r"BEGIN SOLUTION.*?\n(.*?)\n[^\n]*END SOLUTION", a.source, re.S
+            ):
+                for line in (
+                    block.splitlines()
+                ):  # a line the starter has too (e.g. the step to extend) is not solution text
                     if len(line.strip()) >= 12 and not any(line.strip() in s for s in starters):
-                        assert line.strip() not in b.source, f"{path.name} cell {i} keeps {line.strip()!r}"
+                        assert line.strip() not in b.source, (
+                            f"{path.name} cell {i} keeps {line.strip()!r}"
+                        )
             if b.cell_type == "code" and start is not None and i > start:
                 assert not b.outputs and b.execution_count is None
                 assert "NBVAL_CHECK_OUTPUT" not in b.source
@@ -136,17 +172,28 @@ def test_student_edition_runs_its_first_cells(tmp_path):
     edition.make_student(ROOT / "notebooks", tmp_path / "student")
     nb = nbformat.read(tmp_path / "student" / "00_setup.ipynb", as_version=4)
     nb.cells = [c for c in nb.cells if c.cell_type == "code"][:3]
-    NotebookClient(nb, timeout=120, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path / "student")}}).execute()
+    NotebookClient(
+        nb,
+        timeout=120,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path / "student")}},
+    ).execute()
     assert all(c.outputs for c in nb.cells[:1])
 
 
 def test_make_student_never_deletes_what_it_did_not_write(tmp_path, monkeypatch):
     src = tmp_path / "project" / "notebooks"
     src.mkdir(parents=True)
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# x")]), src / "00_x.ipynb")
+    nbformat.write(
+        nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# x")]), src / "00_x.ipynb"
+    )
     monkeypatch.chdir(tmp_path / "project")
-    for out in (src, src.parent, tmp_path, Path(".")):  # the notebooks, a folder holding them, the current one
+    for out in (
+        src,
+        src.parent,
+        tmp_path,
+        Path("."),
+    ):  # the notebooks, a folder holding them, the current one
         with pytest.raises(ValueError, match="folder of its own"):
             edition.make_student(src, out)
     (tmp_path / "project" / "mine").mkdir()
@@ -166,22 +213,30 @@ def test_make_student_never_deletes_what_it_did_not_write(tmp_path, monkeypatch)
 def test_make_student_again_keeps_the_previous_edition(tmp_path):
     src = tmp_path / "notebooks"
     src.mkdir()
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# x")]), src / "00_x.ipynb")
+    nbformat.write(
+        nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# x")]), src / "00_x.ipynb"
+    )
     edition.make_student(src, tmp_path / "student")
     (tmp_path / "student" / "answer.py").write_text("a learner's answer")
     edition.make_student(src, tmp_path / "student")
     previous = [p for p in tmp_path.iterdir() if p.name.startswith("student-previous-")]
     assert len(previous) == 1 and (previous[0] / "answer.py").read_text() == "a learner's answer"
-    assert (tmp_path / "student" / "00_x.ipynb").exists() and not (tmp_path / "student" / "answer.py").exists()
+    assert (tmp_path / "student" / "00_x.ipynb").exists() and not (
+        tmp_path / "student" / "answer.py"
+    ).exists()
 
 
 def _one_notebook(src: Path, source: str = "# x") -> None:
     src.mkdir(exist_ok=True)
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(source)]), src / "00_x.ipynb")
+    nbformat.write(
+        nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(source)]), src / "00_x.ipynb"
+    )
 
 
 def _files(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def test_make_student_refuses_a_malformed_solution_before_touching_the_edition(tmp_path):
@@ -192,12 +247,18 @@ def test_make_student_refuses_a_malformed_solution_before_touching_the_edition(t
     edition.make_student(src, tmp_path / "student")
     (tmp_path / "student" / "answer.py").write_text("a learner's answer")
     before = _files(tmp_path / "student")
-    (src / "exercises" / "ex.py").write_text("# END SOLUTION\n")  # the .py files come after every notebook
-    with pytest.raises(ValueError, match=r"exercises/ex\.py: line 1 closes a solution that was never opened"):
+    (src / "exercises" / "ex.py").write_text(
+        "# END SOLUTION\n"
+    )  # the .py files come after every notebook
+    with pytest.raises(
+        ValueError, match=r"exercises/ex\.py: line 1 closes a solution that was never opened"
+    ):
         edition.make_student(src, tmp_path / "student")
     (src / "exercises" / "ex.py").write_text("x = 1\n")
     _one_notebook(src, "# x\n<!-- BEGIN SOLUTION -->\nsecret")
-    with pytest.raises(ValueError, match="00_x.ipynb cell 0: the solution opened on line 2 is never closed"):
+    with pytest.raises(
+        ValueError, match="00_x.ipynb cell 0: the solution opened on line 2 is never closed"
+    ):
         edition.make_student(src, tmp_path / "student")
     assert _files(tmp_path / "student") == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notebooks", "student"]
@@ -206,12 +267,19 @@ def test_make_student_refuses_a_malformed_solution_before_touching_the_edition(t
 def test_make_student_within_one_second_keeps_every_previous_edition(tmp_path, monkeypatch):
     src = tmp_path / "notebooks"
     _one_notebook(src)
-    monkeypatch.setattr(edition.time, "strftime", lambda fmt: "20260101-000000")  # every run in the same second
+    monkeypatch.setattr(
+        edition.time, "strftime", lambda fmt: "20260101-000000"
+    )  # every run in the same second
     for n in range(3):
         edition.make_student(src, tmp_path / "student")
         (tmp_path / "student" / "answer.py").write_text(f"answer {n}")
-    kept = {p.name: (p / "answer.py").read_text() for p in tmp_path.iterdir() if "-previous-" in p.name}
-    assert kept == {"student-previous-20260101-000000": "answer 0", "student-previous-20260101-000000-2": "answer 1"}
+    kept = {
+        p.name: (p / "answer.py").read_text() for p in tmp_path.iterdir() if "-previous-" in p.name
+    }
+    assert kept == {
+        "student-previous-20260101-000000": "answer 0",
+        "student-previous-20260101-000000-2": "answer 1",
+    }
     assert (tmp_path / "student" / "answer.py").read_text() == "answer 2"
 
 
@@ -219,7 +287,11 @@ def test_make_student_cli_reports_an_os_error(tmp_path, capsys, monkeypatch):
     src = tmp_path / "notebooks"
     _one_notebook(src)
     edition.make_student(src, tmp_path / "student")
-    monkeypatch.setattr(Path, "rename", lambda self, target: (_ for _ in ()).throw(PermissionError(13, "denied", str(self))))
+    monkeypatch.setattr(
+        Path,
+        "rename",
+        lambda self, target: (_ for _ in ()).throw(PermissionError(13, "denied", str(self))),
+    )
     with pytest.raises(SystemExit) as exit_:
         edition.main(["--src", str(src), "--out", str(tmp_path / "student")])
     assert exit_.value.code == 1 and capsys.readouterr().err.startswith("error: [Errno 13] denied")
@@ -250,11 +322,14 @@ def test_strip_solutions_in_markdown_keeps_no_placeholder():
     assert edition.strip_solutions(text, code=False) == ("Why?\nNext.", 1)
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("# BEGIN SOLUTION\nx\n", "never closed"),
-    ("x\n# END SOLUTION\n", "never opened"),
-    ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION\n", "inside"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("# BEGIN SOLUTION\nx\n", "never closed"),
+        ("x\n# END SOLUTION\n", "never opened"),
+        ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION\n", "inside"),
+    ],
+)
 def test_strip_solutions_refuses_malformed_blocks(bad, message):
     with pytest.raises(ValueError, match=message):
         edition.strip_solutions(bad, where="nb cell 3")
@@ -262,10 +337,13 @@ def test_strip_solutions_refuses_malformed_blocks(bad, message):
 
 def test_student_notebook_clears_exercise_outputs_only():
     out = [nbformat.v4.new_output("stream", name="stdout", text="shown\n")]
-    nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell("print('lesson')", execution_count=1, outputs=out),
-        nbformat.v4.new_markdown_cell("## Exercises\n\nsome"),
-        nbformat.v4.new_code_cell("print('exercise')", execution_count=2, outputs=out)])
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell("print('lesson')", execution_count=1, outputs=out),
+            nbformat.v4.new_markdown_cell("## Exercises\n\nsome"),
+            nbformat.v4.new_code_cell("print('exercise')", execution_count=2, outputs=out),
+        ]
+    )
     student = edition.student_notebook(nb)
     assert student.cells[0].outputs and not student.cells[2].outputs
     assert nb.cells[2].outputs, "the instructor edition was changed"
@@ -274,8 +352,10 @@ def test_student_notebook_clears_exercise_outputs_only():
 def test_attempt_turns_learner_errors_into_hints():
     def starter():
         raise NotImplementedError
+
     def buggy():
         return 1 / 0
+
     with pytest.raises(ExerciseError, match="not written yet"):
         attempt("9.9 x", starter)
     with pytest.raises(ExerciseError, match="ZeroDivisionError"):

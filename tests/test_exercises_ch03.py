@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mgtutorial import ddp, env, exercises
+from mgtutorial import ddp, exercises
 from mgtutorial.exercises import ExerciseError
 from mgtutorial.exercises.ch03a import compare_with_reference, patched
 from mgtutorial.exercises.ch03b import JoinConfig, join_model, join_reference, uneven_batches
+from mgtutorial.runtime import env
 
 
 def test_patched_refuses_and_restores():
@@ -39,7 +40,9 @@ CFG = ddp.DDPConfig(dataset="synthetic", batch_size=8, max_steps=2, evaluate=Fal
 
 def _displaced(scale: float) -> dict:
     """The reference's parameters moved ``scale`` times as far from the initial ones."""
-    init = ddp.build(CFG, env.DistContext(0, 0, 1, "none", torch.device("cpu"), False))[0].state_dict()
+    init = ddp.build(CFG, env.DistContext(0, 0, 1, "none", torch.device("cpu"), False))[
+        0
+    ].state_dict()
     ref = ddp.combined_batch_reference(CFG, 2).state_dict()
     return {k: init[k] + scale * (ref[k] - init[k]) for k in ref}
 
@@ -67,7 +70,10 @@ def test_join_reference_on_one_rank_is_plain_sgd():
 
 def test_uneven_batches_give_the_last_rank_more():
     cfg = JoinConfig(path="unused")
-    assert [len(uneven_batches(cfg, r, 2)) for r in range(2)] == [cfg.batches, cfg.batches + cfg.extra]
+    assert [len(uneven_batches(cfg, r, 2)) for r in range(2)] == [
+        cfg.batches,
+        cfg.batches + cfg.extra,
+    ]
 
 
 # --- wrong answers, run in ranks: each checker fails with its own hint --------------------------
@@ -77,7 +83,9 @@ def fp16_allreduce_hook(state, bucket):
     buffer = bucket.buffer()
 """
 WRONG = {
-    "ring, whole tensors in the all-gather": ("ch03a.ring_all_reduce", """import torch, torch.distributed as dist
+    "ring, whole tensors in the all-gather": (
+        "ch03a.ring_all_reduce",
+        """import torch, torch.distributed as dist
 def exchange(send, recv, rank, world_size):
     for r in [dist.isend(send, (rank + 1) % world_size), dist.irecv(recv, (rank - 1) % world_size)]: r.wait()
 def ring_all_reduce(t, rank, world_size):
@@ -91,35 +99,71 @@ def ring_all_reduce(t, rank, world_size):
     for step in range(world_size - 1):
         exchange(send, recv, rank, world_size); full += recv; send = recv.clone()
     t.copy_(full)
-""", "rank 0 sent 30 elements for its tensor of 8"),
-    "overlap, wait before compute": ("ch03a.overlap", """import torch.distributed as dist
+""",
+        "rank 0 sent 30 elements for its tensor of 8",
+    ),
+    "overlap, wait before compute": (
+        "ch03a.overlap",
+        """import torch.distributed as dist
 def reduce_while_computing(t, compute):
     dist.all_reduce(t, async_op=True).wait(); compute()
-""", "its all-reduce had already finished"),
-    "overlap, no wait": ("ch03a.overlap", """import torch.distributed as dist
+""",
+        "its all-reduce had already finished",
+    ),
+    "overlap, no wait": (
+        "ch03a.overlap",
+        """import torch.distributed as dist
 def reduce_while_computing(t, compute):
     work = dist.all_reduce(t, async_op=True); compute()
-""", r"call work.wait\(\) before returning"),
-    "average, no copy back": ("ch03a.average_by_hand", """import torch, torch.distributed as dist
+""",
+        r"call work.wait\(\) before returning",
+    ),
+    "average, no copy back": (
+        "ch03a.average_by_hand",
+        """import torch, torch.distributed as dist
 def average_gradients(model, world_size):
     flat = torch.cat([p.grad.flatten() for p in model.parameters()]); dist.all_reduce(flat); flat /= world_size
-""", "copy the reduced pieces back into the p.grad"),
-    "hook, one blocking all-reduce per tensor": ("ch03b.fp16_hook", HOOK + """    for g in bucket.gradients():
+""",
+        "copy the reduced pieces back into the p.grad",
+    ),
+    "hook, one blocking all-reduce per tensor": (
+        "ch03b.fp16_hook",
+        HOOK
+        + """    for g in bucket.gradients():
         h = g.half() / dist.get_world_size(); dist.all_reduce(h); g.copy_(h)
     fut = torch.futures.Future(); fut.set_result(buffer); return fut
-""", "called dist.all_reduce 6 times"),
-    "hook, blocking all-reduce": ("ch03b.fp16_hook", HOOK + """    half = buffer.half() / dist.get_world_size(); dist.all_reduce(half); buffer.copy_(half)
+""",
+        "called dist.all_reduce 6 times",
+    ),
+    "hook, blocking all-reduce": (
+        "ch03b.fp16_hook",
+        HOOK
+        + """    half = buffer.half() / dist.get_world_size(); dist.all_reduce(half); buffer.copy_(half)
     fut = torch.futures.Future(); fut.set_result(buffer); return fut
-""", "blocked until done"),
-    "hook, returns the float16 tensor": ("ch03b.fp16_hook", HOOK + """    half = buffer.half() / dist.get_world_size()
+""",
+        "blocked until done",
+    ),
+    "hook, returns the float16 tensor": (
+        "ch03b.fp16_hook",
+        HOOK
+        + """    half = buffer.half() / dist.get_world_size()
     return dist.all_reduce(half, async_op=True).get_future().then(lambda f: f.value()[0])
-""", r"returns \['float16', 404554\]"),
-    "hook, no division": ("ch03b.fp16_hook", HOOK + """    half = buffer.half()
+""",
+        r"returns \['float16', 404554\]",
+    ),
+    "hook, no division": (
+        "ch03b.fp16_hook",
+        HOOK
+        + """    half = buffer.half()
     def back(f):
         buffer.copy_(f.value()[0]); return buffer
     return dist.all_reduce(half, async_op=True).get_future().then(back)
-""", r"moved [12]\.\d× as far .* divide by the world size"),
-    "no_sync, the first micro-batch synchronised": ("ch03b.no_sync_accumulation", """import contextlib
+""",
+        r"moved [12]\.\d× as far .* divide by the world size",
+    ),
+    "no_sync, the first micro-batch synchronised": (
+        "ch03b.no_sync_accumulation",
+        """import contextlib
 def accumulate(model, loss_fn, micro_batches):
     k, total = len(micro_batches), 0.0
     for i, (x, y) in enumerate(micro_batches):
@@ -128,8 +172,12 @@ def accumulate(model, loss_fn, micro_batches):
             loss.backward()
         total += loss.item()
     return total
-""", "must be the last micro-batch's"),
-    "join, rank 0 stalls in its second step": ("ch03b.join_uneven", """import os, time
+""",
+        "must be the last micro-batch's",
+    ),
+    "join, rank 0 stalls in its second step": (
+        "ch03b.join_uneven",
+        """import os, time
 from torch.distributed.algorithms.join import Join
 def train_uneven(model, optimizer, loss_fn, batches):
     with Join([model]):
@@ -137,7 +185,9 @@ def train_uneven(model, optimizer, loss_fn, batches):
             if i == 1 and os.environ["RANK"] == "0":
                 time.sleep(4)  # longer than the timeout, while every rank still trains
             optimizer.zero_grad(set_to_none=True); loss_fn(model(x), y).backward(); optimizer.step()
-""", "timed out in step 2 of 6, where every rank still trains: the machine was too busy"),
+""",
+        "timed out in step 2 of 6, where every rank still trains: the machine was too busy",
+    ),
 }
 
 
@@ -153,10 +203,19 @@ def test_checkers_name_what_is_wrong(name, tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("predicted, hint", [
-    ({0.001: [650, 401472, 2432], 0.005: [402122, 2400, 32]}, "DDP made 4 buckets, not 3: .* not in model.parameters"),
-    ({0.001: [650, 401472, 2400, 32], 0.005: ["402122", 2400, 32]}, r"predicted\[0.005\] is .*integers"),
-])
+@pytest.mark.parametrize(
+    "predicted, hint",
+    [
+        (
+            {0.001: [650, 401472, 2432], 0.005: [402122, 2400, 32]},
+            "DDP made 4 buckets, not 3: .* not in model.parameters",
+        ),
+        (
+            {0.001: [650, 401472, 2400, 32], 0.005: ["402122", 2400, 32]},
+            r"predicted\[0.005\] is .*integers",
+        ),
+    ],
+)
 def test_bucket_layout_names_the_rule(predicted, hint, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ExerciseError, match=hint):

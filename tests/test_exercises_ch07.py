@@ -9,12 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from mgtutorial import sharding_memory as M
 from mgtutorial.exercises import ch07
 from mgtutorial.exercises._common import ExerciseError
+from mgtutorial.sharding import memory as M
 
-HEADER = ("import torch\nimport torch.distributed as dist\n\n\n"
-          "def zero1_clip_step(flat, flat_grad, shard, opt, ctx, max_norm):\n")
+HEADER = (
+    "import torch\nimport torch.distributed as dist\n\n\n"
+    "def zero1_clip_step(flat, flat_grad, shard, opt, ctx, max_norm):\n"
+)
 RS = """grad = torch.empty_like(shard)
 dist.reduce_scatter_tensor(grad, flat_grad)
 """
@@ -29,10 +31,13 @@ grad = grad * (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1)
 LOCAL = """dist.all_reduce(torch.zeros(1))  # the right number of collectives, the wrong norm
 grad = grad * (max_norm / (grad.norm() + 1e-6)).clamp(max=1)
 """
-DIV, STEP = "grad = grad / ctx.world_size\n", """shard.grad = grad
+DIV, STEP = (
+    "grad = grad / ctx.world_size\n",
+    """shard.grad = grad
 opt.step()
 dist.all_gather_into_tensor(flat, shard.detach().clone())
-"""
+""",
+)
 STEPS = {
     "unclipped": RS + DIV + STEP,
     "local_norm": RS + DIV + LOCAL + STEP,
@@ -41,6 +46,7 @@ STEPS = {
     "no_gather": RS + DIV + CLIP + STEP.replace("dist.all_gather_into_tensor", "pass  #"),
     "all_reduce_then_slice": AR + DIV + CLIP + STEP,
 }
+
 
 def test_smallest_ranks_is_the_closed_form():
     psi, limit = 13e9, 8e10
@@ -52,12 +58,15 @@ def test_smallest_ranks_is_the_closed_form():
     assert M.memory_per_rank([(13_000_000_000,)], 6, "zero1", "mixed")["total"] < limit
 
 
-@pytest.mark.parametrize("guess, hint", [
-    ({"zero1": 5, "zero2": 4, "zero3": 3}, "at N = 5, zero1 still holds 83.2 GB"),
-    ({"zero1": 6, "zero2": 5, "zero3": 3}, "zero2 is already under 80 GB at N = 4"),
-    ({"zero1": 6, "zero2": 4, "zero3": 2.5}, "give a number of ranks"),
-    ({"zero1": 6, "zero2": 4}, "`predicted['zero3']` is still `None`"),
-])
+@pytest.mark.parametrize(
+    "guess, hint",
+    [
+        ({"zero1": 5, "zero2": 4, "zero3": 3}, "at N = 5, zero1 still holds 83.2 GB"),
+        ({"zero1": 6, "zero2": 5, "zero3": 3}, "zero2 is already under 80 GB at N = 4"),
+        ({"zero1": 6, "zero2": 4, "zero3": 2.5}, "give a number of ranks"),
+        ({"zero1": 6, "zero2": 4}, "`predicted['zero3']` is still `None`"),
+    ],
+)
 def test_fits_in_80gb_hints(guess, hint):
     with pytest.raises(ExerciseError, match="^07.1 80 GB per rank: ") as err:
         ch07.fits_in_80gb(guess)
@@ -70,20 +79,26 @@ def test_padded_bytes_refuses_a_malformed_answer_before_launching():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant, hint", [
-    ("unclipped", "step 0: shard.grad is the averaged slice, not clipped"),
-    ("local_norm", "step 0: rank 0 clipped by its own slice's norm"),
-    ("clip_before_divide", "clipped by the norm of the SUM over ranks, then ÷ N"),
-    ("no_divide", "step 3: shard.grad is the clipped SUM over ranks"),
-    ("no_gather", "outside its slice"),
-    ("all_reduce_then_slice", None),
-])
+@pytest.mark.parametrize(
+    "variant, hint",
+    [
+        ("unclipped", "step 0: shard.grad is the averaged slice, not clipped"),
+        ("local_norm", "step 0: rank 0 clipped by its own slice's norm"),
+        ("clip_before_divide", "clipped by the norm of the SUM over ranks, then ÷ N"),
+        ("no_divide", "step 3: shard.grad is the clipped SUM over ranks"),
+        ("no_gather", "outside its slice"),
+        ("all_reduce_then_slice", None),
+    ],
+)
 def test_zero1_clipped_variants(variant, hint, tmp_path, capsys, no_leftovers, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ex07_zero.py").write_text(HEADER + textwrap.indent(STEPS[variant], "    "))
     if hint is None:  # a correct clipped ZeRO-1 that pays 1.5× the bytes: passes, and says so
         ch07.zero1_clipped()
-        assert "2 all-reduces (gradients, squared norm) + 1 all-gather per step (1.5×" in capsys.readouterr().out
+        assert (
+            "2 all-reduces (gradients, squared norm) + 1 all-gather per step (1.5×"
+            in capsys.readouterr().out
+        )
         return
     with pytest.raises(ExerciseError, match="^07.3 ZeRO-1 with clipping: ") as err:
         ch07.zero1_clipped()
@@ -92,45 +107,75 @@ def test_zero1_clipped_variants(variant, hint, tmp_path, capsys, no_leftovers, m
 
 def test_padded_bytes_names_the_gap_not_the_measured_value(monkeypatch):
     measured = {"params": 1408, "grads": 704, "optimizer": 1408}
-    monkeypatch.setattr(ch07, "run_ranks", lambda *a, **k: SimpleNamespace(values={
-        0: {"zero": {"memory": {"zero2": measured}}, "fsdp": {"memory": {"zero3": measured}}},
-        1: {"zero": {"memory": {}}, "fsdp": {"memory": {"zero3": measured}}}}))
-    guess = {("zero2", 0): (1404, 704, 1408), ("zero3", 0): (1408, 704, 1408), ("zero3", 1): (1408, 704, 1408)}
+    monkeypatch.setattr(
+        ch07,
+        "run_ranks",
+        lambda *a, **k: SimpleNamespace(
+            values={
+                0: {
+                    "zero": {"memory": {"zero2": measured}},
+                    "fsdp": {"memory": {"zero3": measured}},
+                },
+                1: {"zero": {"memory": {}}, "fsdp": {"memory": {"zero3": measured}}},
+            }
+        ),
+    )
+    guess = {
+        ("zero2", 0): (1404, 704, 1408),
+        ("zero3", 0): (1408, 704, 1408),
+        ("zero3", 1): (1408, 704, 1408),
+    }
     with pytest.raises(ExerciseError, match="^07.2 padding: ") as err:
         ch07.padded_bytes(guess)
-    assert "zero2 params: 4 B = 1 fp32 element short: " in err.value.hint and "1,408" not in err.value.hint
+    assert (
+        "zero2 params: 4 B = 1 fp32 element short: " in err.value.hint
+        and "1,408" not in err.value.hint
+    )
 
 
 @pytest.mark.timeout(300)
 def test_reshard_policy_without_the_root(tmp_path, no_leftovers, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "ex07_fsdp.py").write_text(textwrap.dedent("""
+    (tmp_path / "ex07_fsdp.py").write_text(
+        textwrap.dedent("""
         from torch.distributed.fsdp import fully_shard
 
         def shard_model(model, mesh):
             for block in model.blocks:
                 fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    """))
+    """)
+    )
     with pytest.raises(ExerciseError, match="head.weight is not sharded"):
         ch07.reshard_policy(predicted={b: (b + 1, b - 1, b + 1) for b in (1, 2, 3)})
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("body, hint", [
-    ("""last = len(model.blocks) - 1
+@pytest.mark.parametrize(
+    "body, hint",
+    [
+        (
+            """last = len(model.blocks) - 1
 for i, block in enumerate(model.blocks):
     fully_shard(block, mesh=mesh, reshard_after_forward=i > 0)  # the FIRST block kept: the same counts
-fully_shard(model, mesh=mesh)""", "with B = 2 blocks, after forward block 0 is still gathered and block 1 was freed: "
-                                  "keep only the LAST block"),
-    ("""last = len(model.blocks) - 1
+fully_shard(model, mesh=mesh)""",
+            "with B = 2 blocks, after forward block 0 is still gathered and block 1 was freed: "
+            "keep only the LAST block",
+        ),
+        (
+            """last = len(model.blocks) - 1
 for i, block in enumerate(model.blocks):
     fully_shard(block, reshard_after_forward=i < last)  # no mesh=: fully_shard makes its own
-fully_shard(model)""", "is sharded over a mesh fully_shard made itself, not the one given: pass mesh=mesh"),
-])
+fully_shard(model)""",
+            "is sharded over a mesh fully_shard made itself, not the one given: pass mesh=mesh",
+        ),
+    ],
+)
 def test_reshard_policy_state_and_mesh(body, hint, tmp_path, no_leftovers, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "ex07_fsdp.py").write_text("from torch.distributed.fsdp import fully_shard\n\n\n"
-                                           "def shard_model(model, mesh):\n" + textwrap.indent(body, "    ") + "\n")
+    (tmp_path / "ex07_fsdp.py").write_text(
+        "from torch.distributed.fsdp import fully_shard\n\n\n"
+        "def shard_model(model, mesh):\n" + textwrap.indent(body, "    ") + "\n"
+    )
     with pytest.raises(ExerciseError, match="^07.4 reshard policy: ") as err:
         ch07.reshard_policy(predicted={b: (b + 1, b - 1, b + 1) for b in (1, 2, 3)})
     assert hint in err.value.hint

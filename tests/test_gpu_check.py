@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402
 from gpu_check_items import ITEMS, Item  # noqa: E402
 
-FAKES = '''
+FAKES = """
 import os, subprocess, sys, time
 from gpu_check_items import CheckFailed, Skip
 
@@ -38,11 +38,13 @@ def crashes(w):
 def hangs(w):
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     time.sleep(120)
-'''
+"""
 
 
 def fake(name: str, min_gpus: int = 1, timeout_s: float = 60) -> Item:
-    return Item(name, "99_fake", min_gpus, timeout_s, f"fake item {name}", f"gpu_check_fakes:{name}")
+    return Item(
+        name, "99_fake", min_gpus, timeout_s, f"fake item {name}", f"gpu_check_fakes:{name}"
+    )
 
 
 @pytest.fixture
@@ -54,12 +56,25 @@ def fakes(tmp_path):
 def test_select_by_gpu_count_and_names():
     items = [fake("a", 1), fake("b", 2), fake("c", 1)]
     no_gpu = gpu_check.select(items, 0)
-    assert [(it.name, "no CUDA GPU" in r) for it, r in no_gpu] == [("a", True), ("b", True), ("c", True)]
+    assert [(it.name, "no CUDA GPU" in r) for it, r in no_gpu] == [
+        ("a", True),
+        ("b", True),
+        ("c", True),
+    ]
     one = gpu_check.select(items, 1)
-    assert [(it.name, r) for it, r in one] == [("a", None), ("b", "needs 2 GPUs, this machine has 1"), ("c", None)]
+    assert [(it.name, r) for it, r in one] == [
+        ("a", None),
+        ("b", "needs 2 GPUs, this machine has 1"),
+        ("c", None),
+    ]
     assert all(r is None for _, r in gpu_check.select(items, 4))
-    assert all(r is None for _, r in gpu_check.select(items, 0, device="cpu"))  # the dry run runs all
-    assert [it.name for it, _ in gpu_check.select(items, 1, only=["c", "a"])] == ["a", "c"]  # registry order
+    assert all(
+        r is None for _, r in gpu_check.select(items, 0, device="cpu")
+    )  # the dry run runs all
+    assert [it.name for it, _ in gpu_check.select(items, 1, only=["c", "a"])] == [
+        "a",
+        "c",
+    ]  # registry order
     with pytest.raises(ValueError, match=r"unknown item\(s\) \['z'\]; the items are: a, b, c"):
         gpu_check.select(items, 1, only=["a", "z"])
 
@@ -67,9 +82,18 @@ def test_select_by_gpu_count_and_names():
 def test_registry_covers_one_and_two_gpu_items():
     names = list(ITEMS)
     assert len(names) == len(set(names)) == 14
-    assert {"nccl_world_size_1", "ddp_cuda0_vs_cpu", "device_basics", "fsdp2_memory", "cuda_event_timing",
-            "nccl_async"} == {n for n, it in ITEMS.items() if it.min_gpus == 1}
-    assert all(it.min_gpus in (1, 2) and it.timeout_s > 0 and it.chapter and it.what for it in ITEMS.values())
+    assert {
+        "nccl_world_size_1",
+        "ddp_cuda0_vs_cpu",
+        "device_basics",
+        "fsdp2_memory",
+        "cuda_event_timing",
+        "nccl_async",
+    } == {n for n, it in ITEMS.items() if it.min_gpus == 1}
+    assert all(
+        it.min_gpus in (1, 2) and it.timeout_s > 0 and it.chapter and it.what
+        for it in ITEMS.values()
+    )
     # one-GPU items first, so a short window on a small machine is spent on what it can run
     assert [it.min_gpus for it in ITEMS.values()] == sorted(it.min_gpus for it in ITEMS.values())
 
@@ -77,10 +101,14 @@ def test_registry_covers_one_and_two_gpu_items():
 @pytest.mark.timeout(120)
 def test_run_item_reports_pass_fail_skip_crash(tmp_path, fakes, no_leftovers):
     out = tmp_path / "gc"
-    got = {n: gpu_check.run_item(fake(n), device="cpu", gpus=0, out_dir=out, pythonpath=(fakes,))
-           for n in ("passes", "fails", "skips", "crashes")}
+    got = {
+        n: gpu_check.run_item(fake(n), device="cpu", gpus=0, out_dir=out, pythonpath=(fakes,))
+        for n in ("passes", "fails", "skips", "crashes")
+    }
     assert got["passes"]["status"] == "passed" and got["passes"]["figures"]["device"] == "cpu"
-    assert "error" not in got["passes"] and not (out / "work" / "passes").exists()  # cleaned on success
+    assert (
+        "error" not in got["passes"] and not (out / "work" / "passes").exists()
+    )  # cleaned on success
     assert got["fails"]["status"] == "failed"
     assert got["fails"]["error"] == "CheckFailed: parameters differ by 0.3"
     assert got["fails"]["figures"] == {"max_param_diff": 0.3}
@@ -93,8 +121,9 @@ def test_run_item_reports_pass_fail_skip_crash(tmp_path, fakes, no_leftovers):
 
 @pytest.mark.timeout(60)
 def test_run_item_times_out_and_kills_everything_it_started(tmp_path, fakes, no_leftovers):
-    entry = gpu_check.run_item(fake("hangs"), device="cpu", gpus=0, out_dir=tmp_path, timeout_s=1.5,
-                               pythonpath=(fakes,))
+    entry = gpu_check.run_item(
+        fake("hangs"), device="cpu", gpus=0, out_dir=tmp_path, timeout_s=1.5, pythonpath=(fakes,)
+    )
     assert entry["status"] == "failed"
     assert entry["error"] == "timed out after 1.5 s (process killed)"
 
@@ -102,7 +131,9 @@ def test_run_item_times_out_and_kills_everything_it_started(tmp_path, fakes, no_
 @pytest.mark.timeout(60)
 def test_kill_group_ends_grandchildren(no_leftovers):
     code = "import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); print(p.pid, flush=True); time.sleep(60)"
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     grandchild = psutil.Process(int(proc.stdout.readline()))
     gpu_check._kill_group(proc)
     proc.stdout.close()
@@ -111,18 +142,49 @@ def test_kill_group_ends_grandchildren(no_leftovers):
 
 
 def _report(entries):
-    return {"started": "2026-01-01T00:00:00", "device": "cuda", "duration_s": 12.0, "versions": gpu_check.versions(),
-            "items": entries, "summary": gpu_check.summarize(entries)}
+    return {
+        "started": "2026-01-01T00:00:00",
+        "device": "cuda",
+        "duration_s": 12.0,
+        "versions": gpu_check.versions(),
+        "items": entries,
+        "summary": gpu_check.summarize(entries),
+    }
 
 
 def test_report_json_and_markdown(tmp_path):
     entries = [
-        {"name": "busbw", "chapter": "09", "min_gpus": 2, "what": "bandwidth", "status": "passed", "duration_s": 3.0,
-         "figures": {"world_size": 2, "rows": [{"bytes": 1024, "busbw_GBps": 0.25}, {"bytes": 2048, "busbw_GBps": 0.5}]}},
-        {"name": "fsdp", "chapter": "07", "min_gpus": 1, "what": "memory", "status": "failed", "duration_s": 1.0,
-         "error": "CheckFailed: 300 MiB, formula 256 MiB", "figures": {"measured_steady_MiB": 300.0}},
-        {"name": "tp", "chapter": "08", "min_gpus": 2, "what": "parity", "status": "skipped",
-         "reason": "needs 2 GPUs, this machine has 1", "figures": {}},
+        {
+            "name": "busbw",
+            "chapter": "09",
+            "min_gpus": 2,
+            "what": "bandwidth",
+            "status": "passed",
+            "duration_s": 3.0,
+            "figures": {
+                "world_size": 2,
+                "rows": [{"bytes": 1024, "busbw_GBps": 0.25}, {"bytes": 2048, "busbw_GBps": 0.5}],
+            },
+        },
+        {
+            "name": "fsdp",
+            "chapter": "07",
+            "min_gpus": 1,
+            "what": "memory",
+            "status": "failed",
+            "duration_s": 1.0,
+            "error": "CheckFailed: 300 MiB, formula 256 MiB",
+            "figures": {"measured_steady_MiB": 300.0},
+        },
+        {
+            "name": "tp",
+            "chapter": "08",
+            "min_gpus": 2,
+            "what": "parity",
+            "status": "skipped",
+            "reason": "needs 2 GPUs, this machine has 1",
+            "figures": {},
+        },
     ]
     js, md = gpu_check.write_report(_report(entries), tmp_path)
     loaded = json.loads(js.read_text())
@@ -164,11 +226,15 @@ def test_notebooks_without_cuda_are_skipped_and_nothing_is_written(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in (ROOT / "notebooks").glob("*.ipynb")} == before
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.timeout(4 * it.timeout_s + 60))
-                                  for n, it in ITEMS.items()])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.timeout(4 * it.timeout_s + 60)) for n, it in ITEMS.items()],
+)
 def test_dry_run_on_cpu(name, tmp_path, no_leftovers):
     """The item's code on CPU with gloo (2 ranks where it takes all GPUs): no typos, no API misuse."""
     it = ITEMS[name]
-    entry = gpu_check.run_item(it, device="cpu", gpus=0, out_dir=tmp_path, timeout_s=4 * it.timeout_s)
+    entry = gpu_check.run_item(
+        it, device="cpu", gpus=0, out_dir=tmp_path, timeout_s=4 * it.timeout_s
+    )
     assert entry["status"] == "passed", entry.get("error", "") + "\n" + entry.get("log_tail", "")
     assert entry["figures"]

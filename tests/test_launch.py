@@ -10,10 +10,13 @@ import time
 
 import psutil
 import pytest
-
 import workers
-from mgtutorial import ddp, env, launch, runlog
-from mgtutorial.launch import WorkerFailed, WorkerNotImportable
+
+from mgtutorial import ddp, launch
+from mgtutorial.hello import HelloConfig, hello
+from mgtutorial.runtime import env, runlog
+from mgtutorial.runtime.launcher import WorkerNotImportable
+from mgtutorial.runtime.run import WorkerFailed
 
 
 def defined_in_main(cfg):  # pretend this came from a notebook cell
@@ -59,21 +62,30 @@ def test_worker_from_main_is_refused_before_start(runs):
 
 def test_bad_configurations_are_refused_before_start(runs, monkeypatch):
     with pytest.raises(ValueError, match="nprocs=0"):
-        launch(env.hello, env.HelloConfig(), 0, runs_dir=runs)
-    with pytest.raises(ValueError, match="nprocs=True"):  # a bool is an int to Python, not a rank count
-        launch(env.hello, env.HelloConfig(), True, runs_dir=runs)
+        launch(hello, HelloConfig(), 0, runs_dir=runs)
+    with pytest.raises(
+        ValueError, match="nprocs=True"
+    ):  # a bool is an int to Python, not a rank count
+        launch(hello, HelloConfig(), True, runs_dir=runs)
     monkeypatch.setattr(env, "gpu_count", lambda: 0)
     with pytest.raises(ValueError, match="needs CUDA GPUs.*gloo"):
-        launch(env.hello, env.HelloConfig(backend="nccl"), 2, runs_dir=runs)
+        launch(hello, HelloConfig(backend="nccl"), 2, runs_dir=runs)
     monkeypatch.setattr(env, "gpu_count", lambda: 1)
     with pytest.raises(ValueError, match="2 ranks per node needs 2 GPUs, but 1"):
-        launch(env.hello, env.HelloConfig(backend="nccl"), 2, runs_dir=runs)
+        launch(hello, HelloConfig(backend="nccl"), 2, runs_dir=runs)
     with pytest.raises(ValueError, match="backend='gloo' but cfg.backend='nccl'"):
-        launch(env.hello, env.HelloConfig(backend="nccl"), 2, backend="gloo", runs_dir=runs)
+        launch(hello, HelloConfig(backend="nccl"), 2, backend="gloo", runs_dir=runs)
     with pytest.raises(ValueError, match="batch_size=0: must be at least 1"):
         launch(ddp.worker, ddp.DDPConfig(batch_size=0), 2, runs_dir=runs)
-    with pytest.raises(FileNotFoundError, match="(?s)CIFAR-10 is not in .*python -m mgtutorial data cifar10"):
-        launch(ddp.worker, ddp.DDPConfig(dataset="cifar10", data_root=str(runs / "nothing")), 2, runs_dir=runs)
+    with pytest.raises(
+        FileNotFoundError, match="(?s)CIFAR-10 is not in .*python -m mgtutorial data cifar10"
+    ):
+        launch(
+            ddp.worker,
+            ddp.DDPConfig(dataset="cifar10", data_root=str(runs / "nothing")),
+            2,
+            runs_dir=runs,
+        )
     assert not list(runs.iterdir())
 
 
@@ -84,14 +96,14 @@ def test_taken_port_gives_clear_error_at_once(runs):
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(ValueError, match=f"master_port={port}.*already in use"):
-            launch(env.hello, env.HelloConfig(), 2, runs_dir=runs, master_port=port)
+            launch(hello, HelloConfig(), 2, runs_dir=runs, master_port=port)
     assert not list(runs.iterdir())
 
 
 @pytest.mark.timeout(60)
 def test_back_to_back_launches_both_succeed(runs, no_leftovers):
     for _ in range(2):
-        result = launch(env.hello, env.HelloConfig(), 2, runs_dir=runs).wait(timeout=30)
+        result = launch(hello, HelloConfig(), 2, runs_dir=runs).wait(timeout=30)
         assert sorted(result.values) == [0, 1]
         assert all(v["rank_sum"] == 1 and v["world_size"] == 2 for v in result.values.values())
         assert {v["rank"] for v in result.values.values()} == {0, 1}
@@ -101,7 +113,8 @@ def test_back_to_back_launches_both_succeed(runs, no_leftovers):
 def _first_record(run, timeout=30):
     deadline = time.monotonic() + timeout
     while not list(run.run_dir.glob("rank*.jsonl")) or not all(
-        run.log_path(r, "jsonl").exists() and run.log_path(r, "jsonl").stat().st_size for r in range(run.nprocs)
+        run.log_path(r, "jsonl").exists() and run.log_path(r, "jsonl").stat().st_size
+        for r in range(run.nprocs)
     ):
         assert time.monotonic() < deadline, "ranks never started logging"
         time.sleep(0.1)
@@ -115,7 +128,11 @@ def test_stop_leaves_no_process(runs, no_leftovers):
     assert run.alive() == 2 and run.poll() is None
     run.stop()
     assert run.status == "stopped" and run.alive() == 0
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [
+        p
+        for p in pids
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
 
 
 @pytest.mark.timeout(60)
@@ -140,10 +157,12 @@ def test_rank_that_finished_then_aborted_counts_as_finished(runs, no_leftovers):
 
 @pytest.mark.timeout(60)
 def test_environment_contract(runs, no_leftovers):
-    result = launch(env.hello, env.HelloConfig(), 2, runs_dir=runs).wait(timeout=30)
+    result = launch(hello, HelloConfig(), 2, runs_dir=runs).wait(timeout=30)
     for r, rec in result.values.items():
         assert rec["local_rank"] == r and rec["world_size"] == 2 and rec["backend"] == "gloo"
-        assert rec["env"]["TORCHELASTIC_RUN_ID"] is None  # no elastic agent: is_torchelastic_launched() False
+        assert (
+            rec["env"]["TORCHELASTIC_RUN_ID"] is None
+        )  # no elastic agent: is_torchelastic_launched() False
     out = (result.run_dir / "rank1.out").read_text()
     assert "[rank 1] hello, world size 2" in out  # each rank's stdout lands in its own file
     assert "[rank 1]" not in (result.run_dir / "rank0.out").read_text()

@@ -12,17 +12,19 @@ import time
 
 import psutil
 import pytest
-
 import workers
+
 from mgtutorial import launch
-from mgtutorial.launch import rank_processes
-from mgtutorial.run import WorkerFailed, root_cause
+from mgtutorial.runtime.procs import rank_processes
+from mgtutorial.runtime.run import WorkerFailed, root_cause
 
 HANG_GUARD_S = 120  # only there to end a hung test, never a measure of speed
 
 
 @pytest.mark.timeout(HANG_GUARD_S)
-def test_each_launch_runs_current_source_env_and_sys_path(tmp_path, runs, monkeypatch, no_leftovers):
+def test_each_launch_runs_current_source_env_and_sys_path(
+    tmp_path, runs, monkeypatch, no_leftovers
+):
     pkg = tmp_path / "learner"
     pkg.mkdir()
     monkeypatch.syspath_prepend(str(pkg))  # a folder the fork server has never seen
@@ -41,8 +43,10 @@ def test_each_launch_runs_current_source_env_and_sys_path(tmp_path, runs, monkey
         values.append(result.values)
         monkeypatch.delenv("MGT_PROBE_GONE", raising=False)  # unset after the first launch
     assert [v[0]["version"] for v in values] == ["first", "second edition"]
-    assert [v[1]["env"] for v in values] == [{"MGT_PROBE": "one", "MGT_PROBE_GONE": "was set"},
-                                              {"MGT_PROBE": "two", "MGT_PROBE_GONE": None}]
+    assert [v[1]["env"] for v in values] == [
+        {"MGT_PROBE": "one", "MGT_PROBE_GONE": "was set"},
+        {"MGT_PROBE": "two", "MGT_PROBE_GONE": None},
+    ]
 
 
 @pytest.mark.timeout(HANG_GUARD_S)
@@ -51,7 +55,11 @@ def test_ranks_fork_from_a_server_without_course_modules(runs, no_leftovers):
     pids = set(run.pids.values())
     run.wait(timeout=HANG_GUARD_S)
     assert run.start_method == "forkserver"
-    server = [p for p in psutil.Process().children() if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+    server = [
+        p
+        for p in psutil.Process().children()
+        if "multiprocessing.forkserver" in " ".join(p.cmdline())
+    ]
     assert len(server) == 1
     preload = " ".join(server[0].cmdline())
     assert "torch" in preload and "mgtutorial" not in preload and "workers" not in preload
@@ -61,7 +69,13 @@ def test_ranks_fork_from_a_server_without_course_modules(runs, no_leftovers):
 
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_spawn_is_an_option(runs, no_leftovers):
-    run = launch(workers.env_probe, workers.ProbeConfig(names=["RANK"]), 2, runs_dir=runs, start_method="spawn")
+    run = launch(
+        workers.env_probe,
+        workers.ProbeConfig(names=["RANK"]),
+        2,
+        runs_dir=runs,
+        start_method="spawn",
+    )
     result = run.wait(timeout=HANG_GUARD_S)
     assert run.start_method == "spawn"
     assert {r: v["env"]["RANK"] for r, v in result.values.items()} == {0: "0", 1: "1"}
@@ -75,7 +89,10 @@ def test_backend_argument_reaches_ranks_and_run(runs, no_leftovers):
     run = launch(workers.env_probe, cfg, 2, runs_dir=runs, backend="gloo")
     result = run.wait(timeout=HANG_GUARD_S)
     assert run.backend == "gloo"
-    assert all(v["backend"] == "gloo" and v["env"]["MGTUTORIAL_BACKEND"] == "gloo" for v in result.values.values())
+    assert all(
+        v["backend"] == "gloo" and v["env"]["MGTUTORIAL_BACKEND"] == "gloo"
+        for v in result.values.values()
+    )
 
 
 @pytest.mark.timeout(HANG_GUARD_S)
@@ -84,11 +101,22 @@ def test_only_loopback_sockets_listen(runs, no_leftovers):
     try:
         _wait_for_records(run)
         procs = [psutil.Process()] + [psutil.Process(pid) for pid in run.pids.values()]
-        listening = [(p.pid, c.laddr) for p in procs for c in p.net_connections("inet") if c.status == "LISTEN"]
-        assert (os.getpid(), ("127.0.0.1", run.master_port)) in [(pid, tuple(a)) for pid, a in listening]
+        listening = [
+            (p.pid, c.laddr)
+            for p in procs
+            for c in p.net_connections("inet")
+            if c.status == "LISTEN"
+        ]
+        assert (os.getpid(), ("127.0.0.1", run.master_port)) in [
+            (pid, tuple(a)) for pid, a in listening
+        ]
         assert [a for _, a in listening if a.ip != "127.0.0.1"] == []
-        rank_ports = {c.raddr.port for pid in run.pids.values() for c in psutil.Process(pid).net_connections("inet")
-                      if c.raddr}
+        rank_ports = {
+            c.raddr.port
+            for pid in run.pids.values()
+            for c in psutil.Process(pid).net_connections("inet")
+            if c.raddr
+        }
         assert run.master_port in rank_ports  # the ranks are the store's clients
     finally:
         run.stop()
@@ -97,7 +125,12 @@ def test_only_loopback_sockets_listen(runs, no_leftovers):
 @pytest.mark.timeout(HANG_GUARD_S)
 @pytest.mark.parametrize("sig", ["SIGSEGV", "SIGKILL"])
 def test_rank_killed_by_signal_is_the_root_cause(sig, runs, no_leftovers):
-    run = launch(workers.crash_after_allreduce, workers.CrashConfig(rank=1, signal_name=sig), 2, runs_dir=runs)
+    run = launch(
+        workers.crash_after_allreduce,
+        workers.CrashConfig(rank=1, signal_name=sig),
+        2,
+        runs_dir=runs,
+    )
     with pytest.raises(WorkerFailed) as info:
         run.wait(timeout=HANG_GUARD_S)
     assert info.value.rank == 1, str(info.value)
@@ -111,7 +144,8 @@ def test_rank_killed_by_signal_is_the_root_cause(sig, runs, no_leftovers):
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_ranks_end_when_the_launcher_is_killed(tmp_path):
     script = tmp_path / "launcher.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.path.dirname(os.path.dirname(__file__))!r}]
         import workers
@@ -120,7 +154,8 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path):
             run = launch(workers.sleeper, workers.SleepConfig(seconds=600), 2, runs_dir={str(tmp_path)!r})
             print(" ".join(str(p) for p in run.pids.values()), flush=True)
             run.wait()
-        """))
+        """)
+    )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         ranks = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
@@ -136,7 +171,8 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path):
 def _error(run_dir, rank, message, time, secondary):
     (run_dir / f"rank{rank}.error.json").write_text(
         f'{{"rank": {rank}, "type": "RuntimeError", "message": "{message}", "traceback": "", '
-        f'"time": {time}, "secondary": {str(secondary).lower()}}}')
+        f'"time": {time}, "secondary": {str(secondary).lower()}}}'
+    )
 
 
 def test_root_cause_prefers_primary_then_silent_then_secondary(tmp_path):
@@ -145,13 +181,20 @@ def test_root_cause_prefers_primary_then_silent_then_secondary(tmp_path):
     assert root_cause(tmp_path, 2, {0: 1, 1: 1}).rank == 1  # primary, although later
     (tmp_path / "rank1.error.json").unlink()
     failed = root_cause(tmp_path, 2, {0: 1, 1: None})
-    assert (failed.rank, failed.exc_type) == (1, "ProcessExited")  # silent beats a peer's consequence
+    assert (failed.rank, failed.exc_type) == (
+        1,
+        "ProcessExited",
+    )  # silent beats a peer's consequence
     assert "SIGKILL" in failed.message
-    (tmp_path / "rank1.err").write_text("Fatal Python error: Segmentation fault\n\nCurrent thread ...\n")
+    (tmp_path / "rank1.err").write_text(
+        "Fatal Python error: Segmentation fault\n\nCurrent thread ...\n"
+    )
     assert "SIGSEGV (Segmentation fault)" in root_cause(tmp_path, 2, {0: 1, 1: None}).message
     assert "signal SIGBUS" in root_cause(tmp_path, 2, {0: 1, 1: -signal.SIGBUS}).message
     (tmp_path / "rank1.result.json").write_text('{"rank": 1, "time": 3.0, "value": null}')
-    assert root_cause(tmp_path, 2, {0: 1, 1: 0}).message == "Connection closed by peer"  # only a secondary
+    assert (
+        root_cause(tmp_path, 2, {0: 1, 1: 0}).message == "Connection closed by peer"
+    )  # only a secondary
 
 
 def test_root_cause_prefers_the_rank_seen_dying_among_silent_ones(tmp_path):
@@ -161,7 +204,9 @@ def test_root_cause_prefers_the_rank_seen_dying_among_silent_ones(tmp_path):
 
 
 def _wait_for_records(run):
-    while not all(run.log_path(r, "jsonl").exists() and run.log_path(r, "jsonl").stat().st_size
-                  for r in range(run.nprocs)):
+    while not all(
+        run.log_path(r, "jsonl").exists() and run.log_path(r, "jsonl").stat().st_size
+        for r in range(run.nprocs)
+    ):
         assert run.poll() is None
         time.sleep(0.1)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
 import workers
-from mgtutorial import launch, live, runlog
+
+from mgtutorial import launch
+from mgtutorial.runtime import live, runlog
 
 
 def _records(tmp_path, with_eval: bool):
@@ -27,7 +28,9 @@ def test_progress_arithmetic(tmp_path):
     prog = live.progress(recs)
     assert (prog["step"], prog["total_steps"], prog["fraction"]) == (2, 4, 0.5)
     assert prog["global_loss"] == 1.5 and prog["test_acc"] == 0.5
-    times = {r: [x["time"] for x in runlog.of_kind(recs, "train") if x["rank"] == r] for r in (0, 1)}
+    times = {
+        r: [x["time"] for x in runlog.of_kind(recs, "train") if x["rank"] == r] for r in (0, 1)
+    }
     expected = sum(8 / (t[1] - t[0]) for t in times.values() if t[1] > t[0])
     assert prog["samples_per_s"] == pytest.approx(expected or None)
     assert live.progress([])["total_steps"] is None and live.progress([])["fraction"] is None
@@ -46,11 +49,14 @@ def test_loss_figure_with_and_without_eval(tmp_path, with_eval):
 
 def test_schema_writers_name_their_kind(tmp_path):
     with runlog.RunLog(tmp_path, rank=3) as log:
-        kinds = [log.plan(steps=1)["kind"], log.train(step=1, epoch=0, loss=1, global_loss=1, samples=1)["kind"],
-                 log.eval(step=1, epoch=0, test_acc=1, test_loss=0)["kind"],
-                 log.checkpoint(step=1, epoch=1, batch=0, path="c.pt")["kind"],
-                 log.resume(step=1, epoch=1, batch=0, attempt=1)["kind"],
-                 log.event(event="forward", start=0, end=1, stage=0, microbatch=0, step=1)["kind"]]
+        kinds = [
+            log.plan(steps=1)["kind"],
+            log.train(step=1, epoch=0, loss=1, global_loss=1, samples=1)["kind"],
+            log.eval(step=1, epoch=0, test_acc=1, test_loss=0)["kind"],
+            log.checkpoint(step=1, epoch=1, batch=0, path="c.pt")["kind"],
+            log.resume(step=1, epoch=1, batch=0, attempt=1)["kind"],
+            log.event(event="forward", start=0, end=1, stage=0, microbatch=0, step=1)["kind"],
+        ]
     assert kinds == ["plan", "train", "eval", "checkpoint", "resume", "event"]
     assert [r["kind"] for r in runlog.read_run(tmp_path)] == kinds
     assert runlog.rank_file(tmp_path, 3, "jsonl") == log.path

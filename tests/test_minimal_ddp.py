@@ -14,9 +14,22 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "minimal_ddp.py"
 
 
 def _torchrun(nprocs: int, batch_size: int) -> list[float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs),
-           str(SCRIPT), "--epochs", "2", "--batch-size", str(batch_size)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nprocs),
+        str(SCRIPT),
+        "--epochs",
+        "2",
+        "--batch-size",
+        str(batch_size),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("epoch ")]
     assert [ln.split(":")[0] for ln in lines] == ["epoch 1/2", "epoch 2/2"]  # rank 0 only prints

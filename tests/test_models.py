@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mgtutorial import models
+from mgtutorial.common import models
 
 
 def test_flatten_size_from_shapes():

@@ -9,7 +9,6 @@ no rank process survives the session lives in the repository's conftest.py and i
 from __future__ import annotations
 
 import base64
-import importlib.util
 import re
 import subprocess
 import sys
@@ -20,13 +19,26 @@ import nbformat
 import psutil
 import pytest
 
-from mgtutorial.exercises.edition import exercises_start
+from mgtutorial.runtime import procs
+from mgtutorial.workshop.edition import exercises_start
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-CHAPTERS = ("00_setup", "01_single_device", "02_ddp", "03a_collectives", "03b_ddp_internals",
-            "04_model_parallel", "05a_torchrun_multinode", "05b_elastic_and_hangs", "06a_article_ddp",
-            "06b_article_model_parallel", "07_sharding", "08_tensor_parallel", "09_performance")
+CHAPTERS = (
+    "00_setup",
+    "01_single_device",
+    "02_ddp",
+    "03a_collectives",
+    "03b_ddp_internals",
+    "04_model_parallel",
+    "05a_torchrun_multinode",
+    "05b_elastic_and_hangs",
+    "06a_article_ddp",
+    "06b_article_model_parallel",
+    "07_sharding",
+    "08_tensor_parallel",
+    "09_performance",
+)
 WITH_LIVE_PLOT = ("01_single_device", "02_ddp")
 MAX_LINES = 30
 MAX_CELLS = 47  # the lesson, up to the "## Exercises" heading
@@ -54,6 +66,7 @@ def output_text(output) -> str:
 
 # --- checks ------------------------------------------------------------------------------------
 
+
 def check_kernel(nb) -> list[str]:
     name = nb.metadata.get("kernelspec", {}).get("name")
     return [] if name == "python3" else [f"kernelspec name is {name!r}, not 'python3'"]
@@ -75,7 +88,9 @@ def check_executed(nb) -> list[str]:
 def check_execution_order(nb) -> list[str]:
     counts = [c.execution_count for c in code_cells(nb)]
     if counts != list(range(1, len(counts) + 1)):
-        return [f"execution counts {counts} are not 1…{len(counts)} in order (run top to bottom in a fresh kernel)"]
+        return [
+            f"execution counts {counts} are not 1…{len(counts)} in order (run top to bottom in a fresh kernel)"
+        ]
     return []
 
 
@@ -88,9 +103,13 @@ def check_errors(nb) -> list[str]:
     problems = []
     for i, cell in enumerate(code_cells(nb)):
         if any(o.output_type == "error" for o in cell.outputs):
-            problems.append(f"code cell {i} has an error output: catch the error and print it instead")
+            problems.append(
+                f"code cell {i} has an error output: catch the error and print it instead"
+            )
         if "raises-exception" in tags(cell):
-            problems.append(f"code cell {i} is tagged 'raises-exception': catch the error in the cell")
+            problems.append(
+                f"code cell {i} is tagged 'raises-exception': catch the error in the cell"
+            )
     return problems
 
 
@@ -99,7 +118,11 @@ def check_cell_count(nb) -> list[str]:
     the exercises (done in a workshop's lab time) at most MAX_EXERCISE_CELLS."""
     start = exercises_start(nb)
     lesson = len(nb.cells) if start is None else start
-    problems = [f"{lesson} lesson cells (at most {MAX_CELLS}): split the chapter"] if lesson > MAX_CELLS else []
+    problems = (
+        [f"{lesson} lesson cells (at most {MAX_CELLS}): split the chapter"]
+        if lesson > MAX_CELLS
+        else []
+    )
     if start is not None and (n := len(nb.cells) - start) > MAX_EXERCISE_CELLS:
         problems.append(f"{n} exercise cells (at most {MAX_EXERCISE_CELLS})")
     return problems
@@ -119,7 +142,9 @@ def check_exercises(nb) -> list[str]:
         if cell.cell_type == "markdown":
             for heading in re.findall(r"^### .*$", cell.source, re.M):
                 if not (m := _EXERCISE.match(heading)):
-                    problems.append(f"heading {heading!r} is not '### Exercise NN.k — title (≈ N min)'")
+                    problems.append(
+                        f"heading {heading!r} is not '### Exercise NN.k — title (≈ N min)'"
+                    )
                     continue
                 current = m.group(1)
                 seen[current] = {"solution": False, "checks": []}
@@ -139,7 +164,9 @@ def check_exercises(nb) -> list[str]:
         if [len(t) for t in found["checks"]] != [1] * max(1, len(found["checks"])):
             problems.append(f"exercise {number} has no checker cell printing exactly one '✓' line")
         elif not all(t[0].startswith(f"✓ {number} ") for t in found["checks"]):
-            problems.append(f"exercise {number}'s checker prints {found['checks']}, not '✓ {number} …'")
+            problems.append(
+                f"exercise {number}'s checker prints {found['checks']}, not '✓ {number} …'"
+            )
     return problems
 
 
@@ -153,9 +180,11 @@ def check_leftover_ranks(nb) -> list[str]:
 
 
 def check_cell_length(nb) -> list[str]:
-    return [f"code cell {i} has {n} lines (at most {MAX_LINES})"
-            for i, cell in enumerate(code_cells(nb))
-            if (n := len(cell.source.splitlines())) > MAX_LINES]
+    return [
+        f"code cell {i} has {n} lines (at most {MAX_LINES})"
+        for i, cell in enumerate(code_cells(nb))
+        if (n := len(cell.source.splitlines())) > MAX_LINES
+    ]
 
 
 def output_text_all(cell) -> str:
@@ -163,8 +192,13 @@ def output_text_all(cell) -> str:
 
 
 def check_summary_exercises(nb) -> list[str]:
-    headings = [line.strip("# ").strip() for c in nb.cells if c.cell_type == "markdown"
-                for line in c.source.splitlines() if line.startswith("#")]
+    headings = [
+        line.strip("# ").strip()
+        for c in nb.cells
+        if c.cell_type == "markdown"
+        for line in c.source.splitlines()
+        if line.startswith("#")
+    ]
     return [f"no '## {h}' heading" for h in ("Summary", "Exercises") if h not in headings]
 
 
@@ -177,8 +211,12 @@ def check_live_plot_figure(nb) -> list[str]:
         pngs = [o.data["image/png"] for o in cell.outputs if "image/png" in o.get("data", {})]
         if not pngs or not base64.b64decode(pngs[-1]).startswith(PNG_MAGIC):
             problems.append(f"code cell {i} calls watch() but has no final PNG figure")
-        if any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in cell.outputs):
-            problems.append(f"code cell {i} still holds the live widget instead of the final figure")
+        if any(
+            "application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in cell.outputs
+        ):
+            problems.append(
+                f"code cell {i} still holds the live widget instead of the final figure"
+            )
     return problems
 
 
@@ -189,32 +227,56 @@ def check_no_machine_paths(nb) -> list[str]:
     """No output shows where the repository, the home directory or a temporary folder is on the
     executing machine (the notebook was executed elsewhere than where it is read)."""
     needles = {str(ROOT), str(Path.home())} - {"/"}
-    problems = [f"code cell {i} output contains {needle!r}"
-                for i, cell in enumerate(code_cells(nb)) for o in cell.outputs
-                for needle in needles if needle in output_text(o)]
-    return problems + [f"code cell {i} output shows the absolute path {m.group(0)!r}"
-                       for i, cell in enumerate(code_cells(nb)) for o in cell.outputs
-                       if (m := _ABSOLUTE.search(output_text(o)))]
+    problems = [
+        f"code cell {i} output contains {needle!r}"
+        for i, cell in enumerate(code_cells(nb))
+        for o in cell.outputs
+        for needle in needles
+        if needle in output_text(o)
+    ]
+    return problems + [
+        f"code cell {i} output shows the absolute path {m.group(0)!r}"
+        for i, cell in enumerate(code_cells(nb))
+        for o in cell.outputs
+        if (m := _ABSOLUTE.search(output_text(o)))
+    ]
 
 
-_VOLATILE = re.compile(r"\d{8}-\d{6}|\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}|\bpid \d+"
-                       r"|(?<![\w.])/(home|root|work|tmp|Users)/")
+_VOLATILE = re.compile(
+    r"\d{8}-\d{6}|\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}|\bpid \d+"
+    r"|(?<![\w.])/(home|root|work|tmp|Users)/"
+)
 
 
 def check_checked_cells_stable(nb) -> list[str]:
     """Cells whose output nbval compares show no run-directory stamps, dates, pids or absolute paths."""
-    return [f"checked code cell {i} shows something that varies between runs: {m.group(0)!r}"
-            for i, cell in enumerate(code_cells(nb)) if CHECK_MARK in cell.source
-            for o in cell.outputs if (m := _VOLATILE.search(output_text(o)))]
+    return [
+        f"checked code cell {i} shows something that varies between runs: {m.group(0)!r}"
+        for i, cell in enumerate(code_cells(nb))
+        if CHECK_MARK in cell.source
+        for o in cell.outputs
+        if (m := _VOLATILE.search(output_text(o)))
+    ]
 
 
-CHECKS = [check_kernel, check_executed, check_execution_order, check_errors, check_cell_length,
-          check_cell_count, check_exercises, check_leftover_ranks,
-          check_summary_exercises, check_live_plot_figure, check_no_machine_paths,
-          check_checked_cells_stable]
+CHECKS = [
+    check_kernel,
+    check_executed,
+    check_execution_order,
+    check_errors,
+    check_cell_length,
+    check_cell_count,
+    check_exercises,
+    check_leftover_ranks,
+    check_summary_exercises,
+    check_live_plot_figure,
+    check_no_machine_paths,
+    check_checked_cells_stable,
+]
 
 
 # --- tests on the committed notebooks ----------------------------------------------------------
+
 
 def test_chapters_present():
     names = {p.stem for p in NOTEBOOKS}
@@ -239,6 +301,7 @@ def test_live_plot_figure_committed(name):
 
 # --- the checks can fail ------------------------------------------------------------------------
 
+
 def _bad_notebook():
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python2"}
@@ -246,27 +309,57 @@ def _bad_notebook():
     widget = {"application/vnd.jupyter.widget-view+json": {"model_id": "x"}, "text/plain": "VBox()"}
     cells = [
         nbformat.v4.new_code_cell("result = watch(launch(worker, cfg, 2))", execution_count=2),
-        nbformat.v4.new_code_cell("result = watch(run)", execution_count=1, outputs=[
-            nbformat.v4.new_output("display_data", data=widget)]),
-        nbformat.v4.new_code_cell("1 / 0", execution_count=None, outputs=[
-            nbformat.v4.new_output("error", ename="ZeroDivisionError", evalue="division by zero",
-                                   traceback=[])]),
+        nbformat.v4.new_code_cell(
+            "result = watch(run)",
+            execution_count=1,
+            outputs=[nbformat.v4.new_output("display_data", data=widget)],
+        ),
+        nbformat.v4.new_code_cell(
+            "1 / 0",
+            execution_count=None,
+            outputs=[
+                nbformat.v4.new_output(
+                    "error", ename="ZeroDivisionError", evalue="division by zero", traceback=[]
+                )
+            ],
+        ),
         nbformat.v4.new_code_cell("\n".join(["x = 1"] * (MAX_LINES + 1)), execution_count=4),
         nbformat.v4.new_code_cell("pass", execution_count=5),
-        nbformat.v4.new_code_cell(f"{CHECK_MARK}\nprint(run)", execution_count=6, outputs=[
-            nbformat.v4.new_output("stream", name="stdout",
-                                   text=f"{ROOT}/notebooks/runs/ddp-20260101-120000-ab12 pid 7\n")]),
-        nbformat.v4.new_code_cell("print(tmp)", execution_count=8, outputs=[
-            nbformat.v4.new_output("stream", name="stdout", text="saved in /tmp/x1y2/ckpt.pt\n")]),
-        nbformat.v4.new_code_cell("watch(run)", execution_count=7, outputs=[
-            nbformat.v4.new_output("display_data", data={"image/png": png})]),
+        nbformat.v4.new_code_cell(
+            f"{CHECK_MARK}\nprint(run)",
+            execution_count=6,
+            outputs=[
+                nbformat.v4.new_output(
+                    "stream",
+                    name="stdout",
+                    text=f"{ROOT}/notebooks/runs/ddp-20260101-120000-ab12 pid 7\n",
+                )
+            ],
+        ),
+        nbformat.v4.new_code_cell(
+            "print(tmp)",
+            execution_count=8,
+            outputs=[
+                nbformat.v4.new_output("stream", name="stdout", text="saved in /tmp/x1y2/ckpt.pt\n")
+            ],
+        ),
+        nbformat.v4.new_code_cell(
+            "watch(run)",
+            execution_count=7,
+            outputs=[nbformat.v4.new_output("display_data", data={"image/png": png})],
+        ),
         nbformat.v4.new_markdown_cell("## Recap\nno Summary heading"),
     ]
     exercises = [
         nbformat.v4.new_markdown_cell("## Exercises\n\n### Exercise 9.1 without a time"),
-        nbformat.v4.new_markdown_cell("### Exercise 09.2 — no solution, unmarked checker (≈ 5 min)"),
-        nbformat.v4.new_code_cell("ex.ch09.two()", execution_count=9, outputs=[
-            nbformat.v4.new_output("stream", name="stdout", text="✓ 09.2 x\n✓ 09.2 y\n")]),
+        nbformat.v4.new_markdown_cell(
+            "### Exercise 09.2 — no solution, unmarked checker (≈ 5 min)"
+        ),
+        nbformat.v4.new_code_cell(
+            "ex.ch09.two()",
+            execution_count=9,
+            outputs=[nbformat.v4.new_output("stream", name="stdout", text="✓ 09.2 x\n✓ 09.2 y\n")],
+        ),
     ]
     cells[4].metadata["tags"] = ["raises-exception"]
     cells += [nbformat.v4.new_markdown_cell("one more paragraph") for _ in range(MAX_CELLS)]
@@ -284,8 +377,11 @@ def test_clean_notebook_passes():
     nb.metadata["kernelspec"] = {"name": "python3"}
     png = base64.b64encode(PNG_MAGIC + b"rest").decode()
     nb.cells = [
-        nbformat.v4.new_code_cell("result = watch(run)", execution_count=1, outputs=[
-            nbformat.v4.new_output("display_data", data={"image/png": png})]),
+        nbformat.v4.new_code_cell(
+            "result = watch(run)",
+            execution_count=1,
+            outputs=[nbformat.v4.new_output("display_data", data={"image/png": png})],
+        ),
         nbformat.v4.new_markdown_cell("## Summary\n\n## Exercises"),
     ]
     assert all(not check(nb) for check in CHECKS)
@@ -293,34 +389,47 @@ def test_clean_notebook_passes():
 
 # --- the leftover-process check in conftest.py --------------------------------------------------
 
-def _root_conftest():
-    spec = importlib.util.spec_from_file_location("_root_conftest", ROOT / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-@pytest.mark.parametrize("cmdline, is_rank", [
-    (["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=6)"], True),
-    (["/venv/bin/python", "/venv/bin/torchrun", "--standalone", "-m", "mgtutorial", "ddp"], True),
-    (["python", "-u", "-m", "mgtutorial", "ddp", "--epochs", "1"], True),
-    (["python", "-c", "from multiprocessing.resource_tracker import main;main(5)"], False),
-    (["/home/me/mgtutorial/.venv/bin/python", "-m", "ipykernel_launcher", "-f", "k.json"], False),
-])
+@pytest.mark.parametrize(
+    "cmdline, is_rank",
+    [
+        (
+            [
+                "python",
+                "-c",
+                "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=6)",
+            ],
+            True,
+        ),
+        (
+            ["/venv/bin/python", "/venv/bin/torchrun", "--standalone", "-m", "mgtutorial", "ddp"],
+            True,
+        ),
+        (["python", "-u", "-m", "mgtutorial", "ddp", "--epochs", "1"], True),
+        (["python", "-c", "from multiprocessing.resource_tracker import main;main(5)"], False),
+        (
+            ["/home/me/mgtutorial/.venv/bin/python", "-m", "ipykernel_launcher", "-f", "k.json"],
+            False,
+        ),
+    ],
+)
 def test_rank_cmdline(cmdline, is_rank):
-    assert _root_conftest().is_rank_cmdline(cmdline) is is_rank
+    assert procs.is_rank_cmdline(cmdline) is is_rank
 
 
 def test_leftover_rank_is_found():
-    conftest = _root_conftest()
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "mgtutorial-fake-rank"])
+    conftest = procs  # the root conftest.py uses these two
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "mgtutorial-fake-rank"]
+    )
     child = psutil.Process(proc.pid)
     try:
         deadline = time.monotonic() + 10  # until the child has exec'd, its command line is pytest's
         while child not in conftest.rank_descendants() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert child in conftest.rank_descendants(), \
+        assert child in conftest.rank_descendants(), (
             "a live child with 'mgtutorial' in its arguments was not recognised as a rank"
+        )
         assert conftest.survivors([child], grace_s=0.5) == [child]
     finally:
         proc.kill()

@@ -10,8 +10,10 @@ import torch
 import workers
 from torch.utils.flop_counter import FlopCounterMode
 
-from mgtutorial import costmodel as cm
-from mgtutorial import launch, models, perf
+from mgtutorial import launch
+from mgtutorial.common import models
+from mgtutorial.perf import costmodel as cm
+from mgtutorial.perf import timing as perf
 
 MIB = 1024 * 1024
 
@@ -35,10 +37,20 @@ def test_alpha_beta_fit_refuses_bad_input():
         cm.fit_alpha_beta([8.0, 8.0], [1.0, 2.0])
 
 
-@pytest.mark.parametrize("op, n, factor", [
-    ("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 8, 1.75), ("all_reduce", 1, 0.0),
-    ("all_gather", 2, 0.5), ("all_gather", 4, 0.75), ("reduce_scatter", 8, 0.875),
-    ("broadcast", 2, 1.0), ("broadcast", 8, 1.0)])
+@pytest.mark.parametrize(
+    "op, n, factor",
+    [
+        ("all_reduce", 2, 1.0),
+        ("all_reduce", 4, 1.5),
+        ("all_reduce", 8, 1.75),
+        ("all_reduce", 1, 0.0),
+        ("all_gather", 2, 0.5),
+        ("all_gather", 4, 0.75),
+        ("reduce_scatter", 8, 0.875),
+        ("broadcast", 2, 1.0),
+        ("broadcast", 8, 1.0),
+    ],
+)
 def test_bus_factors_are_nccl_tests(op, n, factor):
     assert cm.bus_factor(op, n) == pytest.approx(factor)
 
@@ -56,14 +68,20 @@ def test_bandwidths_and_errors():
 
 def test_ring_time_by_hand():
     assert cm.ring_time("all_reduce", 400, 1, 100, 1) == 0.0
-    assert cm.ring_time("all_reduce", 400, 4, 100, 1) == pytest.approx(6 + 1.5 * 4)   # 2(n−1) steps
+    assert cm.ring_time("all_reduce", 400, 4, 100, 1) == pytest.approx(6 + 1.5 * 4)  # 2(n−1) steps
     assert cm.ring_time("all_gather", 400, 4, 100, 1) == pytest.approx(3 + 0.75 * 4)
 
 
 def test_bucket_layout_by_hand():
-    assert cm.bucket_layout([40, 2560, 256, 1_605_632, 128, 9600], 25 * MIB, MIB) == [1_608_488, 9728]
+    assert cm.bucket_layout([40, 2560, 256, 1_605_632, 128, 9600], 25 * MIB, MIB) == [
+        1_608_488,
+        9728,
+    ]
     assert cm.bucket_layout([3, 3, 3, 3], 5) == [6, 6]
-    assert cm.bucket_layout([10, 1, 1], 5) == [10, 2]  # a gradient larger than the cap: its own bucket
+    assert cm.bucket_layout([10, 1, 1], 5) == [
+        10,
+        2,
+    ]  # a gradient larger than the cap: its own bucket
     assert cm.bucket_layout([1, 1], 100) == [2]
 
 
@@ -71,14 +89,18 @@ def test_step_time_model_by_hand():
     # buckets of 1 and 3 bytes, α = 0.5 s, β = 1 s/byte, backward 4 s:
     # bucket 0 ready at 1 s, done at 2.5 s; bucket 1 ready at 4 s, done at 7.5 s → 3.5 s exposed
     t = cm.ddp_step_time(1.0, 4.0, 0.5, [1, 3], alpha=0.5, beta=1.0)
-    assert t == pytest.approx({"step": 9.0, "compute": 5.5, "comm": 5.0, "exposed": 3.5, "hidden": 1.5})
+    assert t == pytest.approx(
+        {"step": 9.0, "compute": 5.5, "comm": 5.0, "exposed": 3.5, "hidden": 1.5}
+    )
     t = cm.ddp_step_time(1.0, 4.0, 0.5, [1, 3], alpha=0.5, beta=1.0, overlap=False, extra_s=0.25)
     assert t["exposed"] == pytest.approx(5.0) and t["step"] == pytest.approx(10.75)
     assert cm.ddp_step_time(1.0, 4.0, 0.5, [], 0.5, 1.0)["step"] == pytest.approx(5.5)
     # bucket 0 ready after half of backward (2 s), done at 3.5 s; bucket 1 at 4 s, done 7.5 s
     t = cm.ddp_step_time(1.0, 4.0, 0.5, [1, 3], alpha=0.5, beta=1.0, ready=[0.5, 1.0])
     assert (t["exposed"], t["hidden"]) == pytest.approx((3.5, 1.5))
-    t = cm.ddp_step_time(1.0, 10.0, 0.0, [3, 1], alpha=0.5, beta=1.0, ready=[0.1, 1.0])  # 1 → 4.5 s; 10 → 11.5 s
+    t = cm.ddp_step_time(
+        1.0, 10.0, 0.0, [3, 1], alpha=0.5, beta=1.0, ready=[0.1, 1.0]
+    )  # 1 → 4.5 s; 10 → 11.5 s
     assert (t["exposed"], t["step"]) == pytest.approx((1.5, 12.5))
 
 
@@ -94,8 +116,15 @@ def test_mfu_and_cluster_predictions_by_hand():
     assert cm.mfu(params=1e6, tokens=1e3, seconds=1.0, peak_flops=1.2e10) == pytest.approx(0.5)
     model = cm.Transformer(layers=2, hidden=10, seq=4)
     assert model.params == 12 * 2 * 100
-    hw = cm.Hardware(name="toy", peak_flops=1e4, intra_bw=100.0, inter_bw=10.0, gpus_per_node=2,
-                     latency=0.0, sources="test")
+    hw = cm.Hardware(
+        name="toy",
+        peak_flops=1e4,
+        intra_bw=100.0,
+        inter_bw=10.0,
+        gpus_per_node=2,
+        latency=0.0,
+        sources="test",
+    )
     # compute = 6·2400·1/(1e4·0.5) = 2.88 s; DDP all-reduce of 4800 bytes on 2 GPUs at 100 B/s = 48 s
     ddp = cm.predict_step("ddp", model, 2, 1, hw)
     assert ddp["compute"] == pytest.approx(2.88) and ddp["comm"] == pytest.approx(48.0)
@@ -139,58 +168,130 @@ def test_bad_sweep_and_step_configs_refused_before_start(runs):
 
 @pytest.mark.timeout(240)
 def test_profiled_ddp_step_has_one_all_reduce_per_bucket(runs, no_leftovers):
-    cfg = perf.StepConfig(dataset="synthetic", backend="gloo", warmup=1, steps=2, profile=True,
-                          variants=[{"batch_size": 8}, {"batch_size": 4}])
+    cfg = perf.StepConfig(
+        dataset="synthetic",
+        backend="gloo",
+        warmup=1,
+        steps=2,
+        profile=True,
+        variants=[{"batch_size": 8}, {"batch_size": 4}],
+    )
     result = launch(perf.step_worker, cfg, 2, runs_dir=runs).wait(timeout=200)
     for rank in (0, 1):
         value, second = result.values[rank]
-        assert "trace" not in second and len(value["step_times"]) == 2  # the profiled step is not timed
+        assert (
+            "trace" not in second and len(value["step_times"]) == 2
+        )  # the profiled step is not timed
         events = perf.trace_events(value["trace"])
         comm = [e for e in events if e["kind"] == "all_reduce"]
         backward = [e for e in events if e["kind"] == "backward"]
-        assert [e["name"] for e in comm] == ["gloo:all_reduce"] * len(cm.bucket_layout(value["grad_bytes"], 25 * MIB, MIB))
-        first_comm = min(e["start"] for e in comm)  # during backward: after its start, before its end
-        assert len(comm) == 2 and min(e["start"] for e in backward) < first_comm < max(e["start"] + e["dur"] for e in backward)
+        assert [e["name"] for e in comm] == ["gloo:all_reduce"] * len(
+            cm.bucket_layout(value["grad_bytes"], 25 * MIB, MIB)
+        )
+        first_comm = min(
+            e["start"] for e in comm
+        )  # during backward: after its start, before its end
+        assert len(comm) == 2 and min(e["start"] for e in backward) < first_comm < max(
+            e["start"] + e["dur"] for e in backward
+        )
         assert sum(e["kind"] == "forward" for e in events) == 1
 
 
 @pytest.mark.timeout(240)
 def test_sweep_and_step_workers_report_every_point(runs, no_leftovers):
-    sweep = launch(perf.sweep_worker, perf.SweepConfig(sizes=[4096, 65536], repeats=2, backend="gloo"), 2,
-                   runs_dir=runs)
-    steps = launch(perf.step_worker, perf.StepConfig(dataset="synthetic", backend="gloo", warmup=1, steps=3,
-                                                     variants=[{"batch_size": 8}, {"batch_size": 4, "static_graph": True}]),
-                   2, runs_dir=runs)
-    alone = launch(perf.step_worker, perf.StepConfig(dataset="synthetic", backend="gloo", warmup=1, steps=2, variants=[
-        {"batch_size": 8, "mode": "alone"}, {"batch_size": 8, "mode": "independent"}]), 2, runs_dir=runs)
+    sweep = launch(
+        perf.sweep_worker,
+        perf.SweepConfig(sizes=[4096, 65536], repeats=2, backend="gloo"),
+        2,
+        runs_dir=runs,
+    )
+    steps = launch(
+        perf.step_worker,
+        perf.StepConfig(
+            dataset="synthetic",
+            backend="gloo",
+            warmup=1,
+            steps=3,
+            variants=[{"batch_size": 8}, {"batch_size": 4, "static_graph": True}],
+        ),
+        2,
+        runs_dir=runs,
+    )
+    alone = launch(
+        perf.step_worker,
+        perf.StepConfig(
+            dataset="synthetic",
+            backend="gloo",
+            warmup=1,
+            steps=2,
+            variants=[{"batch_size": 8, "mode": "alone"}, {"batch_size": 8, "mode": "independent"}],
+        ),
+        2,
+        runs_dir=runs,
+    )
     records = sweep.wait(timeout=200).values[0]
-    assert [(r["op"], r["nbytes"]) for r in records] == [(op, s) for op in cm.COLLECTIVES for s in (4096, 65536)]
+    assert [(r["op"], r["nbytes"]) for r in records] == [
+        (op, s) for op in cm.COLLECTIVES for s in (4096, 65536)
+    ]
     assert all(len(r["times"]) == 2 and r["world_size"] == 2 for r in records)
     variants = steps.wait(timeout=200).values[1]
-    assert [(v["batch_size"], v.get("static_graph"), len(v["step_times"])) for v in variants] == [(8, None, 2), (4, True, 2)]
+    assert [(v["batch_size"], v.get("static_graph"), len(v["step_times"])) for v in variants] == [
+        (8, None, 2),
+        (4, True, 2),
+    ]
     assert all(v["world_size"] == 2 for v in variants)
     alone = alone.wait(timeout=200).values
     assert alone[1][0] == {"batch_size": 8, "mode": "alone", "idle": True}  # rank 1 waited
-    assert [alone[0][0]["world_size"], alone[0][1]["world_size"], alone[1][1]["world_size"]] == [1, 1, 1]
+    assert [alone[0][0]["world_size"], alone[0][1]["world_size"], alone[1][1]["world_size"]] == [
+        1,
+        1,
+        1,
+    ]
 
 
 def test_scaling_ratios_by_hand():
     def runs(mode, *rates, **extra):
-        return [{"batch_size": b, "mode": mode, "samples_per_s": r, **extra} for b, r in zip((32, 64), rates)]
-    values = {0: runs("alone", 100, 200) + runs("independent", 90, 190) + runs("ddp", 60, 180)
-                 + runs("ddp", 1, 1, static_graph=True),
-              1: [{"batch_size": b, "mode": "alone", "idle": True} for b in (32, 64)] + runs("independent", 100, 190)
-                 + runs("ddp", 60, 180) + runs("ddp", 1, 1, static_graph=True)}
+        return [
+            {"batch_size": b, "mode": mode, "samples_per_s": r, **extra}
+            for b, r in zip((32, 64), rates)
+        ]
+
+    values = {
+        0: runs("alone", 100, 200)
+        + runs("independent", 90, 190)
+        + runs("ddp", 60, 180)
+        + runs("ddp", 1, 1, static_graph=True),
+        1: [{"batch_size": b, "mode": "alone", "idle": True} for b in (32, 64)]
+        + runs("independent", 100, 190)
+        + runs("ddp", 60, 180)
+        + runs("ddp", 1, 1, static_graph=True),
+    }
     rows = cm.scaling_ratios(values)
-    assert rows == [{"batch_size": 32, "ceiling_2v1": 1.9, "scaling_2v1": 1.2, "fraction": pytest.approx(1.2 / 1.9)},
-                    {"batch_size": 64, "ceiling_2v1": 1.9, "scaling_2v1": 1.8, "fraction": pytest.approx(1.8 / 1.9)}]
+    assert rows == [
+        {
+            "batch_size": 32,
+            "ceiling_2v1": 1.9,
+            "scaling_2v1": 1.2,
+            "fraction": pytest.approx(1.2 / 1.9),
+        },
+        {
+            "batch_size": 64,
+            "ceiling_2v1": 1.9,
+            "scaling_2v1": 1.8,
+            "fraction": pytest.approx(1.8 / 1.9),
+        },
+    ]
 
 
 @pytest.mark.timeout(240)
 def test_gloo_reduce_scatter_is_an_all_reduce(runs, no_leftovers):
     """What chapter 09 says of gloo: its reduce_scatter_tensor all-reduces the whole input."""
-    jobs = {op: launch(workers.profiled_collective, workers.ProfiledCollectiveConfig(op=op), 2, runs_dir=runs)
-            for op in ("reduce_scatter", "all_gather")}
+    jobs = {
+        op: launch(
+            workers.profiled_collective, workers.ProfiledCollectiveConfig(op=op), 2, runs_dir=runs
+        )
+        for op in ("reduce_scatter", "all_gather")
+    }
     names = {op: job.wait(timeout=200).values for op, job in jobs.items()}
     assert names["reduce_scatter"] == {0: ["gloo:all_reduce"], 1: ["gloo:all_reduce"]}
     assert names["all_gather"] == {0: ["gloo:all_gather"], 1: ["gloo:all_gather"]}

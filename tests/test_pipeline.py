@@ -8,11 +8,13 @@ import threading
 import pytest
 import torch
 
-from mgtutorial import launch, models, runlog
-from mgtutorial import model_parallel as MP
-from mgtutorial import pipeline as P
-from mgtutorial import timeline as T
-from mgtutorial.launch import WorkerFailed
+from mgtutorial import launch
+from mgtutorial.common import models
+from mgtutorial.pipeline import naive as MP
+from mgtutorial.pipeline import schedules as P
+from mgtutorial.pipeline import timeline as T
+from mgtutorial.runtime import runlog
+from mgtutorial.runtime.run import WorkerFailed
 
 
 def _run(cfg, runs, n=2):
@@ -40,21 +42,36 @@ def test_hand_gpipe_equals_library_gpipe_and_1f1b_equals_unsplit(runs, no_leftov
         torch.testing.assert_close(params["hand-gpipe"][k], params["gpipe"][k])
     # the check can fail: one step fewer is a different model
     ref_short, _ = P.unsplit_reference(P.PipelineConfig(steps=2, batch_size=32))
-    assert any((ref_short.state_dict()[k] - params["gpipe"][k]).abs().max() > 1e-4 for k in params["gpipe"])
+    assert any(
+        (ref_short.state_dict()[k] - params["gpipe"][k]).abs().max() > 1e-4 for k in params["gpipe"]
+    )
 
 
 @pytest.mark.timeout(120)
 def test_interleaved_two_stages_per_rank_equals_unsplit(runs, no_leftovers):
     m = 4
-    cfg = P.PipelineConfig(schedule="interleaved", n_microbatches=m, batch_size=32, steps=2,
-                           sizes=[1024, 512, 256, 128, 100], input_grad=True)
+    cfg = P.PipelineConfig(
+        schedule="interleaved",
+        n_microbatches=m,
+        batch_size=32,
+        steps=2,
+        sizes=[1024, 512, 256, 128, 100],
+        input_grad=True,
+    )
     run, res = _run(cfg, runs)
     _assert_equals_unsplit(run, res, cfg)
     evs = T.events(runlog.read_run(run.run_dir), step=2)
-    assert {(e["stage"], e["rank"]) for e in evs} == {(0, 0), (1, 1), (2, 0), (3, 1)}  # stage s on rank s % 2
+    assert {(e["stage"], e["rank"]) for e in evs} == {
+        (0, 0),
+        (1, 1),
+        (2, 0),
+        (3, 1),
+    }  # stage s on rank s % 2
     for s in range(4):
         for kind in ("forward", "backward"):
-            assert sorted(e["microbatch"] for e in evs if e["stage"] == s and e["event"] == kind) == list(range(m))
+            assert sorted(
+                e["microbatch"] for e in evs if e["stage"] == s and e["event"] == kind
+            ) == list(range(m))
     by = {(e["event"], e["stage"], e["microbatch"]): e for e in evs}
     for s in range(1, 4):
         for i in range(m):
@@ -73,9 +90,21 @@ def test_indivisible_batch_hand_written_weights_by_share(runs, no_leftovers):
 def test_indivisible_batch_library_refused_before_any_process(runs):
     for schedule in ("gpipe", "1f1b"):
         with pytest.raises(ValueError, match="batch_size=32 is not divisible by n_microbatches=3"):
-            launch(P.worker, P.PipelineConfig(schedule=schedule, n_microbatches=3, batch_size=32), 2, runs_dir=runs)
-    with pytest.raises(ValueError, match="interleaved needs n_microbatches divisible by the ranks: 3 % 2"):
-        launch(P.worker, P.PipelineConfig(schedule="interleaved", n_microbatches=3, batch_size=33), 2, runs_dir=runs)
+            launch(
+                P.worker,
+                P.PipelineConfig(schedule=schedule, n_microbatches=3, batch_size=32),
+                2,
+                runs_dir=runs,
+            )
+    with pytest.raises(
+        ValueError, match="interleaved needs n_microbatches divisible by the ranks: 3 % 2"
+    ):
+        launch(
+            P.worker,
+            P.PipelineConfig(schedule="interleaved", n_microbatches=3, batch_size=33),
+            2,
+            runs_dir=runs,
+        )
     with pytest.raises(ValueError, match="1F1B needs n_microbatches ≥ stages: 1 < 2"):
         launch(P.worker, P.PipelineConfig(schedule="1f1b", n_microbatches=1), 2, runs_dir=runs)
     assert not list(runs.iterdir())
@@ -100,21 +129,27 @@ def _expected_order(schedule: str, stage: int, p: int, m: int) -> list[tuple[str
 @pytest.mark.parametrize("schedule", ["hand-gpipe", "gpipe", "1f1b"])
 def test_timeline_events_well_formed(schedule, runs, no_leftovers):
     m, p = 4, 2
-    cfg = P.PipelineConfig(schedule=schedule, n_microbatches=m, batch_size=32, steps=2, save_params=False)
+    cfg = P.PipelineConfig(
+        schedule=schedule, n_microbatches=m, batch_size=32, steps=2, save_params=False
+    )
     run, res = _run(cfg, runs)
     recs = runlog.read_run(run.run_dir)
     for step in (1, 2):
         evs = T.events(recs, step)
         for s in range(p):
             mine = [e for e in evs if e["stage"] == s]
-            assert [(e["event"], e["microbatch"]) for e in mine] == _expected_order(schedule, s, p, m)
+            assert [(e["event"], e["microbatch"]) for e in mine] == _expected_order(
+                schedule, s, p, m
+            )
             assert all(e["start"] <= e["end"] for e in mine)
         by = {(e["event"], e["stage"], e["microbatch"]): e for e in evs}
         for i in range(m):  # data dependencies hold in the real timestamps
             assert by[("forward", 1, i)]["start"] >= by[("forward", 0, i)]["end"]
             assert by[("backward", 0, i)]["start"] >= by[("backward", 1, i)]["end"] - 1e-3
         assert 0 < T.bubble_measured(evs) < 1
-    for rank in range(p):  # one CPU time and one run-queue wait per step, from the main thread's clocks
+    for rank in range(
+        p
+    ):  # one CPU time and one run-queue wait per step, from the main thread's clocks
         v = res.values[rank]
         assert len(v["step_times_s"]) == len(v["step_cpu_s"]) == len(v["step_wait_s"]) == cfg.steps
         assert all(c > 0 for c in v["step_cpu_s"])
@@ -125,9 +160,14 @@ def test_timeline_events_well_formed(schedule, runs, no_leftovers):
 def test_1f1b_holds_fewer_activations_than_gpipe(runs, no_leftovers):
     peaks = {}
     for schedule in ("gpipe", "1f1b"):
-        cfg = P.PipelineConfig(schedule=schedule, n_microbatches=8, batch_size=64, steps=1, save_params=False)
+        cfg = P.PipelineConfig(
+            schedule=schedule, n_microbatches=8, batch_size=64, steps=1, save_params=False
+        )
         _, res = _run(cfg, runs)
-        peaks[schedule] = (res.values[0]["peak_activation_bytes"], res.values[1]["peak_activation_bytes"])
+        peaks[schedule] = (
+            res.values[0]["peak_activation_bytes"],
+            res.values[1]["peak_activation_bytes"],
+        )
     # stage 0 (1024→512→ReLU→256→ReLU) keeps the input batch (one storage: the micro-batches are views
     # of it) and, per micro-batch until its backward, each ReLU's output (which the next Linear also
     # saves: one storage). GPipe holds all 8 micro-batches at once, 1F1B at most p − s = 2.
@@ -146,8 +186,10 @@ def test_meter_counts_storage_not_saves():
     x = torch.randn(4, 10, requires_grad=True)
     meter = T.ActivationMeter(torch.nn.Linear(1, 1))
     with meter.saving():
-        logp = torch.log_softmax(x, 1)          # saves its output
-        loss = torch.nn.functional.nll_loss(logp, torch.zeros(4, dtype=torch.long))  # saves it again
+        logp = torch.log_softmax(x, 1)  # saves its output
+        loss = torch.nn.functional.nll_loss(
+            logp, torch.zeros(4, dtype=torch.long)
+        )  # saves it again
     # log-probs once and the targets; nll_loss's 4-byte total weight too, unless the allocator put it
     # where a parameter's storage is excluded; counting saves would count the log-probs twice
     logp_bytes, targets_bytes = 4 * 10 * 4, 4 * 8
@@ -161,11 +203,23 @@ def test_meter_counts_storage_not_saves():
 
 def _gpipe_timeline(m, f, b, gap, p=2):
     """GPipe boxes as an ideal pipeline draws them, ``gap`` seconds between boxes on the critical path."""
+
     def box(stage, event, mb, start, length):
-        return {"stage": stage, "rank": stage, "event": event, "microbatch": mb, "start": start, "end": start + length}
+        return {
+            "stage": stage,
+            "rank": stage,
+            "event": event,
+            "microbatch": mb,
+            "start": start,
+            "end": start + length,
+        }
+
     turn = (m + p - 1) * (f + gap)
-    return ([box(s, "forward", i, (s + i) * (f + gap), f) for s in range(p) for i in range(m)]
-            + [box(s, "backward", i, turn + (p - 1 - s + i) * (b + gap), b) for s in range(p) for i in range(m)])
+    return [box(s, "forward", i, (s + i) * (f + gap), f) for s in range(p) for i in range(m)] + [
+        box(s, "backward", i, turn + (p - 1 - s + i) * (b + gap), b)
+        for s in range(p)
+        for i in range(m)
+    ]
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
@@ -174,7 +228,13 @@ def test_bubble_and_step_costs_of_an_ideal_timeline(m):
     assert T.bubble_measured(evs) == pytest.approx(T.bubble_formula(2, m))
     assert T.bubble_measured(evs, by="rank") == pytest.approx(T.bubble_formula(2, m))
     costs = T.step_costs(evs)
-    assert (costs["m"], costs["p"], costs["forward"], costs["backward"], costs["delay"]) == (m, 2, 1.0, 2.0, 0.0)
+    assert (costs["m"], costs["p"], costs["forward"], costs["backward"], costs["delay"]) == (
+        m,
+        2,
+        1.0,
+        2.0,
+        0.0,
+    )
     assert costs["model"] == pytest.approx(T.bubble_formula(2, m))
     gap = 0.25  # the critical path has 2(m + p − 1) boxes and one gap fewer
     costs = T.step_costs(_gpipe_timeline(m, 1.0, 2.0, gap))
@@ -190,7 +250,9 @@ def test_box_delays_and_the_model_see_the_gaps(m):
     evs = _gpipe_timeline(m, f, b, gap)
     assert T.box_delays(evs) == pytest.approx([gap] * (4 * m - 1))  # every box but the first
     assert T.bubble_model(2, m, f, b, 0.0) == pytest.approx(T.bubble_formula(2, m))
-    assert T.bubble_model(2, m, f, b, 0.0, stages_per_rank=2) == pytest.approx(T.bubble_formula(2, m, 2))
+    assert T.bubble_model(2, m, f, b, 0.0, stages_per_rank=2) == pytest.approx(
+        T.bubble_formula(2, m, 2)
+    )
     # the drawn timeline's span is (m + 1)(f + b + 2·gap) − gap: the step's first box has no delay
     span = (m + 1) * (f + b + 2 * gap) - gap
     assert T.bubble_measured(evs) == pytest.approx(1 - m * (f + b) / span)
@@ -198,7 +260,10 @@ def test_box_delays_and_the_model_see_the_gaps(m):
 
 
 def test_median_step_is_the_step_of_the_median():
-    records = [{"kind": "event", "step": s, "start": float(s), "value": v} for s, v in ((2, 0.3), (3, 0.1), (4, 0.2), (5, 0.9))]
+    records = [
+        {"kind": "event", "step": s, "start": float(s), "value": v}
+        for s, v in ((2, 0.3), (3, 0.1), (4, 0.2), (5, 0.9))
+    ]
     value = lambda evs: evs[0]["value"]
     assert T.median_step(records, value, (2, 3, 4)) == 4
     assert T.median_over_steps(records, value, (2, 3, 4)) == 0.2
@@ -207,10 +272,17 @@ def test_median_step_is_the_step_of_the_median():
 
 @pytest.mark.timeout(60)
 def test_handoff_worker_times_each_size(runs, no_leftovers):
-    res = launch(T.handoff_worker, T.HandoffConfig(rows=[8, 2], width=16, reps=4), 2, runs_dir=runs).wait(timeout=40)
+    res = launch(
+        T.handoff_worker, T.HandoffConfig(rows=[8, 2], width=16, reps=4), 2, runs_dir=runs
+    ).wait(timeout=40)
     for rank in (0, 1):
-        assert [(h["rows"], h["bytes"]) for h in res.values[rank]] == [(8, 8 * 16 * 4), (2, 2 * 16 * 4)]
-        assert all(0 < h["handoff_ms"] <= h["median_ms"] for h in res.values[rank])  # the floor: the minimum
+        assert [(h["rows"], h["bytes"]) for h in res.values[rank]] == [
+            (8, 8 * 16 * 4),
+            (2, 2 * 16 * 4),
+        ]
+        assert all(
+            0 < h["handoff_ms"] <= h["median_ms"] for h in res.values[rank]
+        )  # the floor: the minimum
 
 
 def test_thread_clock_counts_this_threads_cpu_and_run_queue_wait():
@@ -226,10 +298,14 @@ def test_thread_clock_counts_this_threads_cpu_and_run_queue_wait():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("schedule, stage, rank", [("1f1b", 1, 1), ("interleaved", 3, 1), ("interleaved", 2, 0)])
+@pytest.mark.parametrize(
+    "schedule, stage, rank", [("1f1b", 1, 1), ("interleaved", 3, 1), ("interleaved", 2, 0)]
+)
 def test_failing_stage_is_reported(runs, no_leftovers, schedule, stage, rank):
     # interleaved: rank r holds stages r and r + p, so stage 3 of 4 fails on rank 1, stage 2 on rank 0
-    cfg = P.PipelineConfig(schedule=schedule, fail_stage=stage, timeout_s=600, sizes=[64] * 5, batch_size=8)
+    cfg = P.PipelineConfig(
+        schedule=schedule, fail_stage=stage, timeout_s=600, sizes=[64] * 5, batch_size=8
+    )
     with pytest.raises(WorkerFailed, match=f"injected failure in stage {stage} at step 2") as info:
         launch(P.worker, cfg, 2, runs_dir=runs).wait(timeout=40)
     assert info.value.rank == rank
@@ -254,5 +330,10 @@ def test_naive_split_equals_unsplit_and_runs_one_stage_at_a_time():
     for k in want:
         torch.testing.assert_close(got[k], want[k])
     evs = sorted(evs, key=lambda e: e["start"])
-    assert [(e["stage"], e["event"]) for e in evs[:4]] == [(0, "forward"), (1, "forward"), (1, "backward"), (0, "backward")]
+    assert [(e["stage"], e["event"]) for e in evs[:4]] == [
+        (0, "forward"),
+        (1, "forward"),
+        (1, "backward"),
+        (0, "backward"),
+    ]
     assert all(a["end"] <= b["start"] + 1e-4 for a, b in zip(evs, evs[1:]))  # never two at once

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 
-from mgtutorial import runlog
+from mgtutorial.runtime import runlog
 
 
 def test_torn_last_line_waits_for_its_newline(tmp_path):
@@ -65,4 +65,6 @@ def test_error_file_first_error_wins_and_secondary_flag(tmp_path, monkeypatch):
     rec = json.loads(path.read_text())
     assert rec["rank"] == 1 and rec["message"] == "boom" and not rec["secondary"]
     assert "Traceback" in rec["traceback"]
-    assert runlog.is_secondary("RuntimeError: [../third_party/gloo] Connection closed by peer [127.0.0.1]:1")
+    assert runlog.is_secondary(
+        "RuntimeError: [../third_party/gloo] Connection closed by peer [127.0.0.1]:1"
+    )

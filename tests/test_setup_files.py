@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +26,9 @@ def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     wanted = project["dependencies"] + extras["test"] + extras["e2e"]
-    listed = [p for p in _pip_section((ROOT / "environment.yml").read_text()) if not p.startswith("-e")]
+    listed = [
+        p for p in _pip_section((ROOT / "environment.yml").read_text()) if not p.startswith("-e")
+    ]
     assert sorted(listed) == sorted(wanted)
 
 

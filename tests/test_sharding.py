@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mgtutorial import env, launch
-from mgtutorial import sharding as S
-from mgtutorial import sharding_checkpoint as C
-from mgtutorial import sharding_fsdp as F
-from mgtutorial import sharding_memory as M
+from mgtutorial import launch
+from mgtutorial.runtime import env
+from mgtutorial.sharding import checkpoint as C
+from mgtutorial.sharding import fsdp as F
+from mgtutorial.sharding import memory as M
+from mgtutorial.sharding import zero as S
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 CFG = dict(blocks=2, width=10, out_features=3, batch_size=8, steps=3)
@@ -27,6 +28,7 @@ def shapes(cfg=None):
 
 
 # --- the formula, without processes -----------------------------------------------------------
+
 
 def test_formula_without_padding_is_the_textbook_one():
     sh, n = [(8, 4), (8,), (4, 8)], 4
@@ -42,8 +44,13 @@ def test_formula_without_padding_is_the_textbook_one():
 
 def test_formula_counts_padding_like_torch_chunk():
     sh, n = shapes(), 4
-    owned = [sum(torch.empty(s).chunk(n)[r].numel() if len(torch.empty(s).chunk(n)) > r else 0 for s in sh)
-             for r in range(n)]
+    owned = [
+        sum(
+            torch.empty(s).chunk(n)[r].numel() if len(torch.empty(s).chunk(n)) > r else 0
+            for s in sh
+        )
+        for r in range(n)
+    ]
     padded = sum(torch.empty(s).chunk(n)[0].numel() for s in sh)
     for r in range(n):
         m = M.memory_per_rank(sh, n, "zero3", rank=r)
@@ -65,26 +72,36 @@ def test_calculator_draws_from_the_formula():
     heights = sorted(round(b.get_height()) for b in fig.axes[0].patches)
     want = sorted(r[k] for r in M.memory_table([(1000,)]) for k in M.PARTS)
     assert heights == want
-    M.calculator(params_billions=1.0, ranks=4)  # builds the sliders and draws (no handle outside IPython)
+    M.calculator(
+        params_billions=1.0, ranks=4
+    )  # builds the sliders and draws (no handle outside IPython)
 
 
 # --- refusals before any rank starts ------------------------------------------------------------
 
-@pytest.mark.parametrize("kw, nprocs, match", [
-    (dict(batch_size=6), 4, "batch_size=6"),
-    (dict(mesh_device="cuda"), 2, "mesh_device='cuda' does not match backend 'gloo'"),
-    (dict(parts=["zero", "fdsp"]), 2, "parts"),
-    (dict(parts=["save"]), 2, "checkpoint_dir"),
-])
+
+@pytest.mark.parametrize(
+    "kw, nprocs, match",
+    [
+        (dict(batch_size=6), 4, "batch_size=6"),
+        (dict(mesh_device="cuda"), 2, "mesh_device='cuda' does not match backend 'gloo'"),
+        (dict(parts=["zero", "fdsp"]), 2, "parts"),
+        (dict(parts=["save"]), 2, "checkpoint_dir"),
+    ],
+)
 def test_bad_config_refused_before_launch(kw, nprocs, match, runs, no_leftovers):
     with pytest.raises(ValueError, match=match):
         launch(S.worker, S.ShardConfig(backend="gloo", **kw), nprocs, runs_dir=runs)
     assert not list(runs.iterdir())  # no run directory: nothing started
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a one-process save, on purpose
+@pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled"
+)  # a one-process save, on purpose
 def test_checkpoint_of_another_shape_names_the_tensor(tmp_path):
-    dcp.save(S.make_model(S.ShardConfig(**CFG)).state_dict(), checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.save(
+        S.make_model(S.ShardConfig(**CFG)).state_dict(), checkpoint_id=str(tmp_path), no_dist=True
+    )
     wider = S.make_model(S.ShardConfig(**{**CFG, "width": 12}))
     with pytest.raises(ValueError, match=r"'blocks.0.lin.weight'.*\(10, 10\).*\(12, 12\)"):
         C.load_dcp(wider, tmp_path)
@@ -95,6 +112,7 @@ def test_checkpoint_of_another_shape_names_the_tensor(tmp_path):
 
 # --- two ranks, then four -------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return tmp_path_factory.mktemp("ckpt")
@@ -102,34 +120,65 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, ckpt):
-    cfg = S.ShardConfig(parts=["zero", "fsdp", "counts", "mixed", "meta", "save"], checkpoint_dir=str(ckpt), **CFG)
-    return launch(S.worker, cfg, 2, runs_dir=tmp_path_factory.mktemp("runs")).wait(timeout=240).values
+    cfg = S.ShardConfig(
+        parts=["zero", "fsdp", "counts", "mixed", "meta", "save"], checkpoint_dir=str(ckpt), **CFG
+    )
+    return (
+        launch(S.worker, cfg, 2, runs_dir=tmp_path_factory.mktemp("runs")).wait(timeout=240).values
+    )
 
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory, ckpt, two):
     cfg = S.ShardConfig(parts=["zero", "fsdp", "load"], checkpoint_dir=str(ckpt), **CFG)
-    return launch(S.worker, cfg, 4, runs_dir=tmp_path_factory.mktemp("runs")).wait(timeout=400).values
+    return (
+        launch(S.worker, cfg, 4, runs_dir=tmp_path_factory.mktemp("runs")).wait(timeout=400).values
+    )
 
 
 def _check_parity_and_memory(values):
     n = len(values)
     for r, v in values.items():
         diffs = {**v["zero"]["max_diff"], **v["fsdp"]["max_diff"]}
-        assert set(diffs) >= {"zero1", "zero2", "ddp", "zero_redundancy", "zero1_vs_zero_redundancy",
-                              "fsdp_vs_one_process", "fsdp_vs_ddp", "loss_vs_one_process"}
+        assert set(diffs) >= {
+            "zero1",
+            "zero2",
+            "ddp",
+            "zero_redundancy",
+            "zero1_vs_zero_redundancy",
+            "fsdp_vs_one_process",
+            "fsdp_vs_ddp",
+            "loss_vs_one_process",
+        }
         assert max(diffs.values()) < 1e-5, diffs
         measured = {**v["zero"]["memory"], **v["fsdp"]["memory"]}
         for scheme in M.SCHEMES:
-            assert measured[scheme] == M.memory_per_rank(shapes(), n, scheme, rank=r), (scheme, n, r)
-        assert v["zero"]["first_grad_diff"] < 1e-6  # ZeRO's reduced slice == that slice of one process's gradients
-        assert v["fsdp"]["sum_params_vs_one_process"] < 1e-5  # AdamW hides a missing ÷ N in the parameters
+            assert measured[scheme] == M.memory_per_rank(shapes(), n, scheme, rank=r), (
+                scheme,
+                n,
+                r,
+            )
+        assert (
+            v["zero"]["first_grad_diff"] < 1e-6
+        )  # ZeRO's reduced slice == that slice of one process's gradients
+        assert (
+            v["fsdp"]["sum_params_vs_one_process"] < 1e-5
+        )  # AdamW hides a missing ÷ N in the parameters
         g = v["fsdp"]["first_grads"]
-        assert g["avg"]["vs_mean"] < 1e-6 < 1e-2 < g["avg"]["vs_sum"]  # torch 2.14.1 averages on gloo
-        assert g["sum_then_divide"]["vs_mean"] < 1e-6 and g["sum"]["vs_sum"] < 1e-6 < 1e-2 < g["sum"]["vs_mean"]
-        assert all(pl == ["(Shard(dim=0),)", pl[1], "DTensor"] for pl in v["fsdp"]["placements"].values())
+        assert (
+            g["avg"]["vs_mean"] < 1e-6 < 1e-2 < g["avg"]["vs_sum"]
+        )  # torch 2.14.1 averages on gloo
+        assert (
+            g["sum_then_divide"]["vs_mean"] < 1e-6
+            and g["sum"]["vs_sum"] < 1e-6 < 1e-2 < g["sum"]["vs_mean"]
+        )
+        assert all(
+            pl == ["(Shard(dim=0),)", pl[1], "DTensor"] for pl in v["fsdp"]["placements"].values()
+        )
     psi = sum(math.prod(s) for s in shapes())
-    assert sum(v["zero"]["memory"]["zero_redundancy"]["optimizer"] for v in values.values()) == 8 * psi
+    assert (
+        sum(v["zero"]["memory"]["zero_redundancy"]["optimizer"] for v in values.values()) == 8 * psi
+    )
 
 
 @pytest.mark.timeout(300)
@@ -147,29 +196,49 @@ def test_four_ranks_equal_one_process_and_formula(four, no_leftovers):
 @pytest.mark.timeout(300)
 def test_collectives_counted_equal_predicted(two, no_leftovers):
     rows = two[0]["counts"]
-    assert {(r["blocks"], r["reshard_after_forward"]) for r in rows} == {(b, f) for b in (1, 2, 3) for f in (True, None, False)}
+    assert {(r["blocks"], r["reshard_after_forward"]) for r in rows} == {
+        (b, f) for b in (1, 2, 3) for f in (True, None, False)
+    }
     for r in rows:
-        assert r["counted"] == r["predicted"] == F.predicted_collectives(r["blocks"], r["reshard_after_forward"])
+        assert (
+            r["counted"]
+            == r["predicted"]
+            == F.predicted_collectives(r["blocks"], r["reshard_after_forward"])
+        )
     block = 4 * (10 * 10 + 10)
     head = 4 * (3 * 10 + 3)
-    for r in rows:  # gathered bytes inside block i: head + block i (resharded) or head + blocks 0..i (kept)
+    for r in (
+        rows
+    ):  # gathered bytes inside block i: head + block i (resharded) or head + blocks 0..i (kept)
         kept = r["reshard_after_forward"] is False
-        assert r["alive_bytes"] == [head + block * (i + 1 if kept else 1) for i in range(r["blocks"])]
+        assert r["alive_bytes"] == [
+            head + block * (i + 1 if kept else 1) for i in range(r["blocks"])
+        ]
 
 
 @pytest.mark.timeout(300)
 def test_mixed_precision_and_meta_init(two, no_leftovers):
     mp = two[0]["mixed"]
-    assert mp["inside_forward"] == {"input": "torch.bfloat16", "weight": "torch.bfloat16", "output": "torch.bfloat16"}
+    assert mp["inside_forward"] == {
+        "input": "torch.bfloat16",
+        "weight": "torch.bfloat16",
+        "output": "torch.bfloat16",
+    }
     assert (mp["sharded_param"], mp["sharded_grad"]) == ("torch.float32", "torch.float32")
     assert 0 < mp["max_loss_gap"] < 0.05
     for r, v in two.items():
         held = v["mixed"]["memory"]  # at rest: fp32 shards, fp32 gradient shards, fp32 Adam state
         assert held == M.memory_per_rank(shapes(), 2, "zero3", "fp32", rank=r)
-        assert held["params"] == 2 * M.memory_per_rank(shapes(), 2, "zero3", "mixed", rank=r)["params"]
+        assert (
+            held["params"] == 2 * M.memory_per_rank(shapes(), 2, "zero3", "mixed", rank=r)["params"]
+        )
         meta = v["meta"]
         assert meta["before"]["device"] == "meta"
-        assert meta["params_bytes"] == meta["formula"] == M.memory_per_rank(shapes(), 2, "zero3", rank=r)["params"]
+        assert (
+            meta["params_bytes"]
+            == meta["formula"]
+            == M.memory_per_rank(shapes(), 2, "zero3", rank=r)["params"]
+        )
         assert meta["within_init_bound"] and meta["distinct_rows"]
 
 
@@ -177,7 +246,9 @@ def test_mixed_precision_and_meta_init(two, no_leftovers):
 def test_full_state_dict_loads_strictly_into_plain_model(two, ckpt, no_leftovers):
     assert two[0]["save"]["files"].keys() == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     assert two[0]["save"]["full_keys"] == sorted(S.make_model(S.ShardConfig(**CFG)).state_dict())
-    assert two[1]["save"]["full_keys"] == []  # cpu_offload=True: only rank 0 receives the full state dict
+    assert (
+        two[1]["save"]["full_keys"] == []
+    )  # cpu_offload=True: only rank 0 receives the full state dict
     plain = S.make_model(S.ShardConfig(**CFG))
     plain.load_state_dict(torch.load(ckpt / "full.pt", weights_only=True), strict=True)
     ref, _ = S.reference(S.ShardConfig(**CFG))
@@ -190,10 +261,15 @@ def test_dcp_saved_on_two_loads_on_four_and_in_one_process(four, ckpt, no_leftov
         assert v["load"]["max_diff_before"] > 1e-2 and v["load"]["max_diff_after"] == 0.0
     one = S.make_model(S.ShardConfig(**{**CFG, "seed": 5}))
     C.load_dcp(one, ckpt / "dcp")
-    torch.testing.assert_close(one.state_dict(), torch.load(ckpt / "full.pt", weights_only=True), rtol=0, atol=0)
+    torch.testing.assert_close(
+        one.state_dict(), torch.load(ckpt / "full.pt", weights_only=True), rtol=0, atol=0
+    )
 
 
-@pytest.mark.skipif(env.gpu_count() < 2, reason="needs 2 CUDA GPUs (NCCL, a 'cuda' mesh); the gloo tests above run the same checks on CPU")
+@pytest.mark.skipif(
+    env.gpu_count() < 2,
+    reason="needs 2 CUDA GPUs (NCCL, a 'cuda' mesh); the gloo tests above run the same checks on CPU",
+)
 @pytest.mark.timeout(300)
 def test_same_checks_on_two_gpus_with_nccl(tmp_path, no_leftovers):
     cfg = S.ShardConfig(parts=["zero", "fsdp", "counts", "mixed"], backend="nccl", **CFG)

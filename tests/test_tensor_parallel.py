@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mgtutorial import launch
-from mgtutorial import tensor_parallel as tp
-from mgtutorial import tensor_parallel_mesh as M
+from mgtutorial.tensor_parallel import fg as tp
+from mgtutorial.tensor_parallel import mesh2d as M
 
 CFG = M.TPConfig()
 ACT = CFG.batch * CFG.seq * CFG.h * 4  # bytes of one (b, s, h) float32 activation
@@ -28,14 +28,22 @@ def test_every_split_equals_unsplit_with_counted_collectives(runs, no_leftovers)
         assert v["hand_block"]["fg_counts"] == {"forward": 2, "backward": 2}
         for name in ("hand_block", "dtensor"):
             assert v[name]["counts"]["forward"] == two and v[name]["counts"]["backward"] == two
-        assert v["dtensor"]["counts"]["bytes"] == {"all_reduce": [[ACT, ACT]] * 2}  # every call, in order
+        assert v["dtensor"]["counts"]["bytes"] == {
+            "all_reduce": [[ACT, ACT]] * 2
+        }  # every call, in order
         # without PrepareModuleInput, q, k and v each all-reduce their input's gradient
         assert v["dtensor_unprepared"]["counts"]["backward"] == {"all_reduce": 4}
         sp = v["sequence_parallel"]["counts"]
         assert sp["forward"] == sp["backward"] == {"all_gather": 2, "reduce_scatter": 2}
-        assert sp["bytes"] == {"all_gather": [[ACT // 2, ACT]] * 2, "reduce_scatter": [[ACT, ACT // 2]] * 2}
+        assert sp["bytes"] == {
+            "all_gather": [[ACT // 2, ACT]] * 2,
+            "reduce_scatter": [[ACT, ACT // 2]] * 2,
+        }
         # the LayerNorms' gradients are left Partial by sequence parallelism, plain tensors otherwise
-        assert v["sequence_parallel"]["norm_grad"] == ["Partial(sum)"] and v["dtensor"]["norm_grad"] == []
+        assert (
+            v["sequence_parallel"]["norm_grad"] == ["Partial(sum)"]
+            and v["dtensor"]["norm_grad"] == []
+        )
         placements = v["dtensor"]["placements"]
         assert placements["attn.wq.weight"] == ["DTensor", ["Shard(dim=0)"], [CFG.h // 2, CFG.h]]
         assert placements["attn.wo.weight"] == ["DTensor", ["Shard(dim=1)"], [CFG.h, CFG.h // 2]]
@@ -54,7 +62,9 @@ def test_2d_mesh_fsdp_times_tp_equals_one_process(runs, no_leftovers):
     coords = {r: tuple(v["coords"]) for r, v in res.values.items()}
     assert coords == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
     assert all("must have the same mesh" in v["torch_clip_error"] for v in res.values.values())
-    for step in range(cfg.steps):  # the mean over dp ranks of their half-batch losses is the whole batch's
+    for step in range(
+        cfg.steps
+    ):  # the mean over dp ranks of their half-batch losses is the whole batch's
         mean = (res.values[0]["losses"][step] + res.values[2]["losses"][step]) / 2
         assert mean == pytest.approx(ref_losses[step], rel=1e-5)
     rows = [tuple(res.values[r]["layout"]["mlp.w1.weight"]["rows"][0]) for r in range(4)]
@@ -68,12 +78,21 @@ def test_2d_mesh_fsdp_times_tp_equals_one_process(runs, no_leftovers):
 
 
 def _assert_pitfalls(v):  # each pitfall reproduced, then fixed
-    assert v["forgot_heads"].startswith("RuntimeError: shape") and "is invalid for input of size" in v["forgot_heads"]
+    assert (
+        v["forgot_heads"].startswith("RuntimeError: shape")
+        and "is invalid for input of size" in v["forgot_heads"]
+    )
     assert "mixed torch.Tensor and DTensor" in v["clip_error"]
     assert "mixed torch.Tensor and DTensor" in v["foreach_error"]
     assert v["clip_norm_rel_diff"] < 1e-6 and v["for_loop_param_diff"] < 1e-5
-    assert v["sp_all_dtensor"] and v["sp_clip_norm_rel_diff"] < 1e-6 and v["sp_foreach_param_diff"] < 1e-5
-    norm_params = 4  # 2 LayerNorms × (weight, bias): Partial gradients, all-reduced each time they are read
+    assert (
+        v["sp_all_dtensor"]
+        and v["sp_clip_norm_rel_diff"] < 1e-6
+        and v["sp_foreach_param_diff"] < 1e-5
+    )
+    norm_params = (
+        4  # 2 LayerNorms × (weight, bias): Partial gradients, all-reduced each time they are read
+    )
     assert v["sp_step_counts"] == {"all_reduce": norm_params}
     assert v["sp_clip_counts"] == {"all_reduce": norm_params + 1}  # + the sum of the sharded norms
     d = v["dropout"]
@@ -82,7 +101,9 @@ def _assert_pitfalls(v):  # each pitfall reproduced, then fixed
 
 
 def test_indivisible_heads_refused_before_any_rank_starts(runs):
-    with pytest.raises(ValueError, match=r"n_heads=6 is not divisible by the tensor-parallel degree tp=4"):
+    with pytest.raises(
+        ValueError, match=r"n_heads=6 is not divisible by the tensor-parallel degree tp=4"
+    ):
         launch(M.worker, M.TPConfig(n_heads=6, h=24), 4, runs_dir=runs)
     with pytest.raises(ValueError, match=r"ffn=30 is not divisible"):
         launch(M.worker, M.TPConfig(ffn=30), 4, runs_dir=runs)
@@ -99,13 +120,18 @@ def test_comm_bytes_from_the_config():
     h, ffn = 16, 32
     c = tp.comm_bytes(b=2, s=8, h=h, ffn=ffn, tp=2, elem=4)
     assert c["tp_forward"] == 2 * 2 * 8 * h * 4  # two (b, s, h) all-reduces per block
-    assert c["tp_step"] == 2 * c["tp_forward"] and c["tp_step_per_rank"] == c["tp_step"]  # 2(n-1)/n = 1
+    assert (
+        c["tp_step"] == 2 * c["tp_forward"] and c["tp_step_per_rank"] == c["tp_step"]
+    )  # 2(n-1)/n = 1
     assert c["params"] == sum(p.numel() for p in tp.Block(h, 4, ffn).parameters())
     assert c["ddp_step"] == 4 * c["params"]
 
 
 def test_unsplit_name_and_hand_shard():
-    assert tp.unsplit_name("mlp.b1") == "mlp.w1.bias" and tp.unsplit_name("attn.o_bias") == "attn.wo.bias"
+    assert (
+        tp.unsplit_name("mlp.b1") == "mlp.w1.bias"
+        and tp.unsplit_name("attn.o_bias") == "attn.wo.bias"
+    )
     assert tp.unsplit_name("attn_norm.weight") == "attn_norm.weight"
     full = torch.arange(12.0).view(3, 4)
     assert tp.hand_shard("attn.wo", full, 1, 2).tolist() == [[2, 3], [6, 7], [10, 11]]

@@ -20,14 +20,20 @@ def test_workshop_md_table_is_up_to_date():
     text = (ROOT / "WORKSHOP.md").read_text()
     assert wt.rewrite(text, wt.table(ROOT / "notebooks")) == text, (
         "WORKSHOP.md's exercise table differs from the notebooks' headings: "
-        "run .venv/bin/python scripts/workshop_table.py")
+        "run .venv/bin/python scripts/workshop_table.py"
+    )
 
 
 def _notebook(folder: Path, stem: str, *headings: str) -> Path:
-    cells = [nbformat.v4.new_markdown_cell(f"# {stem[:2]} · Chapter {stem}\n\nText."),
-             nbformat.v4.new_markdown_cell("## Exercises")]
+    cells = [
+        nbformat.v4.new_markdown_cell(f"# {stem[:2]} · Chapter {stem}\n\nText."),
+        nbformat.v4.new_markdown_cell("## Exercises"),
+    ]
     for h in headings:
-        cells += [nbformat.v4.new_markdown_cell(f"{h}\n\nThe task."), nbformat.v4.new_code_cell("pass")]
+        cells += [
+            nbformat.v4.new_markdown_cell(f"{h}\n\nThe task."),
+            nbformat.v4.new_code_cell("pass"),
+        ]
     path = folder / f"{stem}.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
     return path
@@ -37,8 +43,13 @@ def _notebook(folder: Path, stem: str, *headings: str) -> Path:
 def course(tmp_path):
     nbs = tmp_path / "notebooks"
     nbs.mkdir()
-    _notebook(nbs, "00_a", "### Exercise 00.1 — first (≈ 5 min)", "### Exercise 00.2 — second (≈ 10 min)",
-              "### Exercise 00.3 — third (≈ 15 min)")
+    _notebook(
+        nbs,
+        "00_a",
+        "### Exercise 00.1 — first (≈ 5 min)",
+        "### Exercise 00.2 — second (≈ 10 min)",
+        "### Exercise 00.3 — third (≈ 15 min)",
+    )
     _notebook(nbs, "03a_b", "### Exercise 03a.1 — only one (≈ 7 min)")
     _notebook(nbs, "08_c")
     (nbs / "notes.ipynb").write_text("not a chapter")  # no NN_ prefix: ignored
@@ -60,8 +71,10 @@ def test_rows_per_exercise_totals_per_chapter_and_the_track_rule(course):
         "| | | *chapter 03a total* | *7* | | |",
         "| `08_c` Chapter 08_c | — | no exercises yet | | | |",
     ]
-    assert lines[-1] == ("All exercises: 4 exercises, 37 min. 3-hour track: 2 exercises, 12 min. "
-                         "Full-day track: 3 exercises, 22 min.")
+    assert lines[-1] == (
+        "All exercises: 4 exercises, 37 min. 3-hour track: 2 exercises, 12 min. "
+        "Full-day track: 3 exercises, 22 min."
+    )
 
 
 def test_check_fails_after_a_notebook_changes_until_the_table_is_rewritten(course, capsys):
@@ -79,10 +92,14 @@ def test_check_fails_after_a_notebook_changes_until_the_table_is_rewritten(cours
     assert "| `08_c` Chapter 08_c | 08.1 | new | 20 |  |  |" in md.read_text()
 
 
-@pytest.mark.parametrize("heading", ["### Exercise 00.1 — no time", "### Exercise 01.1 — wrong chapter (≈ 5 min)"])
+@pytest.mark.parametrize(
+    "heading", ["### Exercise 00.1 — no time", "### Exercise 01.1 — wrong chapter (≈ 5 min)"]
+)
 def test_a_malformed_heading_is_refused_with_the_notebook_named(tmp_path, heading):
     _notebook(tmp_path, "00_a", heading)
-    with pytest.raises(ValueError, match=r"00_a\.ipynb: .* is not '### Exercise 00\.k — title \(≈ M min\)'"):
+    with pytest.raises(
+        ValueError, match=r"00_a\.ipynb: .* is not '### Exercise 00\.k — title \(≈ M min\)'"
+    ):
         wt.table(tmp_path)
 
 
@@ -92,5 +109,7 @@ def test_missing_markers_are_refused():
 
 
 def test_the_real_notebooks_all_parse(tmp_path):
-    shutil.copytree(ROOT / "notebooks", tmp_path / "nb", ignore=shutil.ignore_patterns("runs", "*.py"))
+    shutil.copytree(
+        ROOT / "notebooks", tmp_path / "nb", ignore=shutil.ignore_patterns("runs", "*.py")
+    )
     assert "| 00.1 | the sum of ranks | 5 | ✓ | ✓ |" in wt.table(tmp_path / "nb")

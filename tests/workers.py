@@ -6,7 +6,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from mgtutorial import ddp, env, runlog
+from mgtutorial import ddp
+from mgtutorial.runtime import env, runlog
 
 
 @dataclass(kw_only=True)
@@ -56,7 +57,9 @@ def finish_then_abort(cfg: AbortConfig) -> str:
         # Like a crash while the process shuts down: this rank's result is recorded (as the rank's
         # first code would record it), then, once every rank's result exists, the process aborts.
         runlog.write_result("done")
-        files = [runlog.rank_file(runlog.run_dir(), r, "result.json") for r in range(ctx.world_size)]
+        files = [
+            runlog.rank_file(runlog.run_dir(), r, "result.json") for r in range(ctx.world_size)
+        ]
         while not all(f.exists() for f in files):
             time.sleep(0.01)
         os.abort()
@@ -73,7 +76,11 @@ class ProbeConfig:
 def env_probe(cfg: ProbeConfig) -> dict:
     """Reports the given environment variables (None: unset) and the backend of the process group."""
     with env.distributed() as ctx:
-        return {"env": {n: os.environ.get(n) for n in cfg.names}, "backend": ctx.backend, "pid": os.getpid()}
+        return {
+            "env": {n: os.environ.get(n) for n in cfg.names},
+            "backend": ctx.backend,
+            "pid": os.getpid(),
+        }
 
 
 @dataclass(kw_only=True)
@@ -99,7 +106,7 @@ def crash_after_allreduce(cfg: CrashConfig) -> None:
 
 @dataclass(kw_only=True)
 class ProfiledCollectiveConfig:
-    """One call of ``op`` (see :func:`mgtutorial.perf.collective_call`) under ``torch.profiler``."""
+    """One call of ``op`` (see :func:`mgtutorial.perf.timing.collective_call`) under ``torch.profiler``."""
 
     op: str = "reduce_scatter"
     nbytes: int = 4096
@@ -109,7 +116,7 @@ def profiled_collective(cfg: ProfiledCollectiveConfig) -> list[str]:
     """The names of the backend's own events (``gloo:...``) that one call of ``cfg.op`` records."""
     import torch
 
-    from mgtutorial import perf
+    from mgtutorial.perf import timing as perf
 
     with env.distributed("gloo") as ctx:
         fn = perf.collective_call(cfg.op, cfg.nbytes, ctx.world_size, ctx.device)

@@ -17,10 +17,23 @@ from __future__ import annotations
 
 import importlib
 
-from ._common import PASS, ExerciseError, RankFailed, passed
+from mgtutorial.exercises._common import PASS, ExerciseError, RankFailed, passed
 
-CHAPTERS = ("ch00", "ch01", "ch02", "ch03a", "ch03b", "ch04", "ch05a", "ch05b", "ch06a", "ch06b",
-            "ch07", "ch08", "ch09")
+CHAPTERS = (
+    "ch00",
+    "ch01",
+    "ch02",
+    "ch03a",
+    "ch03b",
+    "ch04",
+    "ch05a",
+    "ch05b",
+    "ch06a",
+    "ch06b",
+    "ch07",
+    "ch08",
+    "ch09",
+)
 
 __all__ = ["PASS", "CHAPTERS", "ExerciseError", "RankFailed", "passed", *CHAPTERS]
 

@@ -89,7 +89,9 @@ def attempt(exercise: str, fn: Callable, *args, **kwargs) -> Any:
     try:
         out = fn(*args, **kwargs)
     except NotImplementedError as e:
-        raise ExerciseError(exercise, f"`{name}` is not written yet ({e or 'NotImplementedError'})") from e
+        raise ExerciseError(
+            exercise, f"`{name}` is not written yet ({e or 'NotImplementedError'})"
+        ) from e
     except ExerciseError:
         raise
     except Exception as e:  # the learner's bug: keep it chained, name it in one line
@@ -108,8 +110,10 @@ def import_file(path: str | Path, exercise: str = "exercise") -> ModuleType:
     """
     path = Path(path).resolve()
     if not path.is_file():
-        raise ExerciseError(exercise, f"no file {path.name} in {path.parent.name}/: run the "
-                                      f"%%writefile cell above first")
+        raise ExerciseError(
+            exercise,
+            f"no file {path.name} in {path.parent.name}/: run the %%writefile cell above first",
+        )
     name = f"_mgtutorial_exercise_{path.stem}_{uuid.uuid4().hex[:8]}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -118,7 +122,9 @@ def import_file(path: str | Path, exercise: str = "exercise") -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[name]
-        raise ExerciseError(exercise, f"{path.name} does not import: {type(e).__name__}: {e}") from e
+        raise ExerciseError(
+            exercise, f"{path.name} does not import: {type(e).__name__}: {e}"
+        ) from e
     return module
 
 
@@ -130,18 +136,20 @@ def function_from(path: str | Path, name: str, exercise: str = "exercise") -> Ca
     return fn
 
 
-def run_ranks(exercise: str, worker: Callable, cfg, nprocs: int = 2, timeout_s: float = 60.0, **launch_kw):
+def run_ranks(
+    exercise: str, worker: Callable, cfg, nprocs: int = 2, timeout_s: float = 60.0, **launch_kw
+):
     """Launch ``worker(cfg)`` on ``nprocs`` ranks and wait; a failing rank becomes an ExerciseError.
 
-    Returns the :class:`mgtutorial.run.RunResult`. Runs go to ``runs/exercises`` unless
+    Returns the :class:`mgtutorial.runtime.run.RunResult`. Runs go to ``runs/exercises`` unless
     ``runs_dir`` is given.
 
     Raises:
         RankFailed: a rank failed; the hint names the rank, its error and the line it came from.
         ExerciseError: the ranks did not finish within ``timeout_s`` (they are stopped first).
     """
-    from ..launch import launch
-    from ..run import WorkerFailed, _innermost_frame
+    from mgtutorial.runtime.launcher import launch
+    from mgtutorial.runtime.run import WorkerFailed, _innermost_frame
 
     launch_kw.setdefault("runs_dir", "runs/exercises")
     run = launch(worker, cfg, nprocs, **launch_kw)
@@ -149,12 +157,20 @@ def run_ranks(exercise: str, worker: Callable, cfg, nprocs: int = 2, timeout_s: 
         return run.wait(timeout=timeout_s)
     except WorkerFailed as e:
         where = _innermost_frame(e.traceback)
-        raise RankFailed(exercise, f"rank {e.rank} failed with {e.exc_type}: {e.message}"
-                         + (f" (at {where})" if where else ""), e.rank, e.exc_type) from None
+        raise RankFailed(
+            exercise,
+            f"rank {e.rank} failed with {e.exc_type}: {e.message}"
+            + (f" (at {where})" if where else ""),
+            e.rank,
+            e.exc_type,
+        ) from None
     except TimeoutError:
         run.stop()
-        raise ExerciseError(exercise, f"the ranks did not finish within {timeout_s:g} s: does every "
-                                      f"rank call the same collectives in the same order?") from None
+        raise ExerciseError(
+            exercise,
+            f"the ranks did not finish within {timeout_s:g} s: does every "
+            f"rank call the same collectives in the same order?",
+        ) from None
 
 
 @dataclass
@@ -176,8 +192,16 @@ def file_worker(cfg: FileWorkerConfig):
     return function_from(cfg.path, cfg.function)(cfg)
 
 
-def run_file(exercise: str, path: str | Path, function: str, nprocs: int = 2, *,
-             options: dict | None = None, timeout_s: float = 60.0, **launch_kw):
+def run_file(
+    exercise: str,
+    path: str | Path,
+    function: str,
+    nprocs: int = 2,
+    *,
+    options: dict | None = None,
+    timeout_s: float = 60.0,
+    **launch_kw,
+):
     """Run the learner's ``function`` from the file ``path`` on ``nprocs`` ranks; return the RunResult.
 
     The file is imported in the notebook kernel first, so its top-level code runs there too; a missing

@@ -9,22 +9,40 @@ import uuid
 from pathlib import Path
 from unittest import mock
 
-from .. import env, runlog
-from ._common import (ExerciseError, FileWorkerConfig, RankFailed, answered, file_worker, function_from, passed,
-                      require, run_file, run_ranks)
+from mgtutorial.exercises._common import (
+    ExerciseError,
+    FileWorkerConfig,
+    RankFailed,
+    answered,
+    file_worker,
+    function_from,
+    passed,
+    require,
+    run_file,
+    run_ranks,
+)
+from mgtutorial.hello import HelloConfig, hello
+from mgtutorial.runtime import env, runlog
 
 
 def rank_sums(predicted: dict) -> None:
-    """00.1: ``predicted[n]`` is the all-reduced sum every rank receives from ``env.hello`` on n ranks.
+    """00.1: ``predicted[n]`` is the all-reduced sum every rank receives from ``hello`` on n ranks.
 
-    Launches ``env.hello`` with 3 and 4 ranks (more ranks than cores is fine: they take turns).
+    Launches ``hello`` with 3 and 4 ranks (more ranks than cores is fine: they take turns).
     """
     ex = "00.1 rank sums"
     for n in (3, 4):
         guess = answered(predicted.get(n), ex, f"predicted[{n}]")
-        got = {rec["rank_sum"] for rec in run_ranks(ex, env.hello, env.HelloConfig(), n, name="hello").values.values()}
-        require(got == {guess}, ex, f"with {n} ranks every rank received {got.pop()}, not {guess}: "
-                                    f"each rank contributes its own rank, 0 … {n - 1}")
+        got = {
+            rec["rank_sum"]
+            for rec in run_ranks(ex, hello, HelloConfig(), n, name="hello").values.values()
+        }
+        require(
+            got == {guess},
+            ex,
+            f"with {n} ranks every rank received {got.pop()}, not {guess}: "
+            f"each rank contributes its own rank, 0 … {n - 1}",
+        )
     passed(ex, "3 ranks receive 3 and 4 ranks receive 6, on every rank")
 
 
@@ -35,8 +53,12 @@ def default_nprocs(predicted: dict) -> None:
         guess = answered(predicted.get(gpus), ex, f"predicted[{gpus}]")
         with mock.patch.object(env, "gpu_count", return_value=gpus):
             truth = env.default_nprocs()
-        require(guess == truth, ex, f"with {gpus} GPU(s) the course starts {truth} ranks, not {guess}: "
-                                    f"read env.default_nprocs (one rank per GPU needs at least 2 GPUs)")
+        require(
+            guess == truth,
+            ex,
+            f"with {gpus} GPU(s) the course starts {truth} ranks, not {guess}: "
+            f"read env.default_nprocs (one rank per GPU needs at least 2 GPUs)",
+        )
     passed(ex, "0, 1, 2, 8 GPUs give 2, 2, 2, 8 ranks")
 
 
@@ -56,53 +78,99 @@ def max_value(path: str = "ex00_worker.py") -> None:
     Runs 3 ranks; each sees only its own value, so the largest can only come from a collective.
     """
     ex = "00.3 your own worker"
-    function_from(path, "my_hello", ex)  # a missing file or function is named before any rank starts
-    cfg = FileWorkerConfig(path=str(Path(path).resolve()), function="my_hello", options={"values": list(VALUES)})
-    values = run_ranks(ex, _own_value_worker, cfg, len(VALUES), timeout_s=20, name=Path(path).stem).values
+    function_from(
+        path, "my_hello", ex
+    )  # a missing file or function is named before any rank starts
+    cfg = FileWorkerConfig(
+        path=str(Path(path).resolve()), function="my_hello", options={"values": list(VALUES)}
+    )
+    values = run_ranks(
+        ex, _own_value_worker, cfg, len(VALUES), timeout_s=20, name=Path(path).stem
+    ).values
     for rank, value in sorted(values.items()):
-        require(not (isinstance(value, str) and "tensor(" in value), ex,
-                f"rank {rank} returned {value}: a tensor does not cross to the notebook; return Python "
-                "numbers, e.g. int(t.item())")
-        require(isinstance(value, dict) and {"rank", "max"} <= set(value), ex,
-                f"rank {rank} returned {value!r}: return a dict with 'rank' and 'max'")
-        require(value["rank"] == rank, ex, f"rank {rank} reported rank {value['rank']}: use ctx.rank")
+        require(
+            not (isinstance(value, str) and "tensor(" in value),
+            ex,
+            f"rank {rank} returned {value}: a tensor does not cross to the notebook; return Python "
+            "numbers, e.g. int(t.item())",
+        )
+        require(
+            isinstance(value, dict) and {"rank", "max"} <= set(value),
+            ex,
+            f"rank {rank} returned {value!r}: return a dict with 'rank' and 'max'",
+        )
+        require(
+            value["rank"] == rank, ex, f"rank {rank} reported rank {value['rank']}: use ctx.rank"
+        )
         got, own = value["max"], VALUES[rank]
-        require(isinstance(got, (int, float)) and not isinstance(got, bool), ex,
-                f"rank {rank} reported max {got!r}: return one number, e.g. int(t.item()), not a list or tensor")
-        require(got != sum(VALUES), ex, f"rank {rank} received {got}, the sum of {list(VALUES)}: you summed, "
-                                        "pass op=dist.ReduceOp.MAX to dist.all_reduce")
-        require(got != own or own == max(VALUES), ex,
-                f"rank {rank} reported its own value {own}: no collective brought it the others' values. Put "
-                "it in a tensor and dist.all_reduce it with op=dist.ReduceOp.MAX (dist.reduce leaves the "
-                "result on one rank only)")
-        require(got == max(VALUES), ex, f"rank {rank} reported max {got}, but the largest of "
-                                        f"{list(VALUES)} is {max(VALUES)}: all-reduce with op=dist.ReduceOp.MAX")
-    passed(ex, f"3 ranks ran my_hello from your file; their values {', '.join(map(str, VALUES))} "
-               f"all-reduced to {max(VALUES)} on every rank")
+        require(
+            isinstance(got, (int, float)) and not isinstance(got, bool),
+            ex,
+            f"rank {rank} reported max {got!r}: return one number, e.g. int(t.item()), not a list or tensor",
+        )
+        require(
+            got != sum(VALUES),
+            ex,
+            f"rank {rank} received {got}, the sum of {list(VALUES)}: you summed, "
+            "pass op=dist.ReduceOp.MAX to dist.all_reduce",
+        )
+        require(
+            got != own or own == max(VALUES),
+            ex,
+            f"rank {rank} reported its own value {own}: no collective brought it the others' values. Put "
+            "it in a tensor and dist.all_reduce it with op=dist.ReduceOp.MAX (dist.reduce leaves the "
+            "result on one rank only)",
+        )
+        require(
+            got == max(VALUES),
+            ex,
+            f"rank {rank} reported max {got}, but the largest of "
+            f"{list(VALUES)} is {max(VALUES)}: all-reduce with op=dist.ReduceOp.MAX",
+        )
+    passed(
+        ex,
+        f"3 ranks ran my_hello from your file; their values {', '.join(map(str, VALUES))} "
+        f"all-reduced to {max(VALUES)} on every rank",
+    )
 
 
 def failing_rank(path: str = "ex00_fail.py", predicted_rank=...) -> None:
     """00.4: ``worker(cfg)`` in ``path`` raises ``ValueError`` on rank 1 only; predict the rank named.
 
-    Also reads rank 0's ``rank0.error.json`` (see :func:`mgtutorial.run.root_cause`): rank 0 may
+    Also reads rank 0's ``rank0.error.json`` (see :func:`mgtutorial.runtime.run.root_cause`): rank 0 may
     record an error of its own only as a consequence (``secondary``) of rank 1's."""
     ex = "00.4 a failing rank"
     guess = answered(predicted_rank, ex, "predicted_rank")
-    name = f"{Path(path).stem}-{uuid.uuid4().hex[:6]}"  # a name of its own, to find the run's folder
+    name = (
+        f"{Path(path).stem}-{uuid.uuid4().hex[:6]}"  # a name of its own, to find the run's folder
+    )
     try:
         run_file(ex, path, "worker", 2, timeout_s=30, name=name)
     except RankFailed as e:
         require(e.exc_type == "ValueError", ex, f"a rank failed, but not with ValueError: {e.hint}")
         named = e.rank
     else:
-        raise ExerciseError(ex, "every rank finished: raise ValueError on rank 1 (if ctx.rank == 1: …)")
+        raise ExerciseError(
+            ex, "every rank finished: raise ValueError on rank 1 (if ctx.rank == 1: …)"
+        )
     run_dir = max(Path("runs/exercises").glob(f"{name}-*"))
     rank0 = runlog.read_json(runlog.rank_file(run_dir, 0, "error.json"))
     require(named == 1, ex, f"rank {named} failed: only rank 1 should raise")
-    require(not rank0 or rank0["secondary"], ex, f"rank 0 raised {rank0 and rank0['type']} itself: only "
-                                                 "rank 1 should raise (if ctx.rank == 1: …)")
-    require(guess == named, ex, f"the error names rank {named}, you predicted {guess}: launch names the "
-                                "rank whose error came first, not the ranks that failed or were stopped "
-                                "because of it")
-    passed(ex, "rank 1 raised ValueError, launch named rank 1; " + (
-        "rank 0's own error was marked as a consequence" if rank0 else "rank 0 was stopped"))
+    require(
+        not rank0 or rank0["secondary"],
+        ex,
+        f"rank 0 raised {rank0 and rank0['type']} itself: only "
+        "rank 1 should raise (if ctx.rank == 1: …)",
+    )
+    require(
+        guess == named,
+        ex,
+        f"the error names rank {named}, you predicted {guess}: launch names the "
+        "rank whose error came first, not the ranks that failed or were stopped "
+        "because of it",
+    )
+    passed(
+        ex,
+        "rank 1 raised ValueError, launch named rank 1; "
+        + ("rank 0's own error was marked as a consequence" if rank0 else "rank 0 was stopped"),
+    )

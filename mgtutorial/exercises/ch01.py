@@ -10,9 +10,17 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .. import data, ddp, models
-from ..runlog import read_run
-from ._common import ExerciseError, answered, attempt, passed, require, run_ranks
+from mgtutorial import ddp
+from mgtutorial.common import data, models
+from mgtutorial.exercises._common import (
+    ExerciseError,
+    answered,
+    attempt,
+    passed,
+    require,
+    run_ranks,
+)
+from mgtutorial.runtime.runlog import read_run
 
 ARTICLE_FEATURES = 4608  # the article's hard-coded x.view(-1, 4608)
 
@@ -26,27 +34,49 @@ def label_counts(counts: dict, balanced) -> None:
     ex = "01.1 label counts"
     train_labels = data.load_digits()[0].tensors[1]
     truth = torch.bincount(train_labels, minlength=10).tolist()
-    require(isinstance(counts, dict), ex, f"counts is a {type(counts).__name__}: give a dict (or Counter) label → count")
+    require(
+        isinstance(counts, dict),
+        ex,
+        f"counts is a {type(counts).__name__}: give a dict (or Counter) label → count",
+    )
     if any(isinstance(key, torch.Tensor) for key in counts):
-        raise ExerciseError(ex, "the keys of counts are tensors (tensor(3) is not the int 3): count int(y) "
-                                "instead of y, e.g. Counter(int(y) for _, y in train_set)")
+        raise ExerciseError(
+            ex,
+            "the keys of counts are tensors (tensor(3) is not the int 3): count int(y) "
+            "instead of y, e.g. Counter(int(y) for _, y in train_set)",
+        )
     got = [answered(counts.get(label), ex, f"counts[{label}]") for label in range(10)]
     test_size = len(data.load_digits()[1])
-    require(sum(got) != test_size, ex, f"your counts add up to {test_size}, the size of the test set: "
-                                       f"count the training set")
-    require(sum(got) != len(train_labels) + test_size, ex, f"your counts add up to {sum(got)}, the whole "
-                                                           f"data set: count the training set only")
+    require(
+        sum(got) != test_size,
+        ex,
+        f"your counts add up to {test_size}, the size of the test set: count the training set",
+    )
+    require(
+        sum(got) != len(train_labels) + test_size,
+        ex,
+        f"your counts add up to {sum(got)}, the whole data set: count the training set only",
+    )
     for label in range(10):
-        require(got[label] == truth[label], ex,
-                f"counts[{label}] = {got[label]} is not the number of training images with label {label}: "
-                f"count the label y of every (x, y) in the training set (not one batch)")
+        require(
+            got[label] == truth[label],
+            ex,
+            f"counts[{label}] = {got[label]} is not the number of training images with label {label}: "
+            f"count the label y of every (x, y) in the training set (not one batch)",
+        )
     mean = len(train_labels) / 10
     is_balanced = all(abs(n - mean) <= 0.1 * mean for n in truth)
-    require(answered(balanced, ex, "balanced") == is_balanced, ex,
-            f"balanced = {balanced}, but the counts go from {min(truth)} to {max(truth)} around a mean "
-            f"of {mean:g}: is every count within 10% of it?")
-    passed(ex, f"{len(train_labels)} training images, {min(truth)} to {max(truth)} per label: "
-               + ("balanced (the split is stratified)" if is_balanced else "not balanced"))
+    require(
+        answered(balanced, ex, "balanced") == is_balanced,
+        ex,
+        f"balanced = {balanced}, but the counts go from {min(truth)} to {max(truth)} around a mean "
+        f"of {mean:g}: is every count within 10% of it?",
+    )
+    passed(
+        ex,
+        f"{len(train_labels)} training images, {min(truth)} to {max(truth)} per label: "
+        + ("balanced (the split is stratified)" if is_balanced else "not balanced"),
+    )
 
 
 def flatten_rows(article_rows: Callable[[int], int | None]) -> None:
@@ -67,21 +97,35 @@ def flatten_rows(article_rows: Callable[[int], int | None]) -> None:
                 succeeded[b] = truth
             continue
         if truth is None:
-            raise ExerciseError(ex, f"article_rows({b}) returned {got!r}, but view(-1, 4608) fails for a "
-                                    f"batch of {b}: {b} × {features} values are not a whole number of rows "
-                                    f"of 4608. Return None there")
+            raise ExerciseError(
+                ex,
+                f"article_rows({b}) returned {got!r}, but view(-1, 4608) fails for a "
+                f"batch of {b}: {b} × {features} values are not a whole number of rows "
+                f"of 4608. Return None there",
+            )
         if got is None:
-            raise ExerciseError(ex, f"article_rows({b}) returned None, but the view succeeds for a batch "
-                                    f"of {b}: {b} × {features} is a multiple of 4608")
-        raise ExerciseError(ex, f"article_rows({b}) returned {got!r}: the view makes rows of 4608 values out "
-                                f"of {b} × {features} values; count rows, not images")
-    passed(ex, "view(-1, 4608) succeeds below 100 only for batch sizes "
-               + ", ".join(f"{b} ({rows} rows)" for b, rows in succeeded.items()))
+            raise ExerciseError(
+                ex,
+                f"article_rows({b}) returned None, but the view succeeds for a batch "
+                f"of {b}: {b} × {features} is a multiple of 4608",
+            )
+        raise ExerciseError(
+            ex,
+            f"article_rows({b}) returned {got!r}: the view makes rows of 4608 values out "
+            f"of {b} × {features} values; count rows, not images",
+        )
+    passed(
+        ex,
+        "view(-1, 4608) succeeds below 100 only for batch sizes "
+        + ", ".join(f"{b} ({rows} rows)" for b, rows in succeeded.items()),
+    )
 
 
 def _reference_step(model, loss_fn, optimizer, x, y) -> float:
     """The Trainer's own step (``ddp.Trainer._run_batch``), on a plain model."""
-    return ddp.Trainer._run_batch(SimpleNamespace(model=model, loss_fn=loss_fn, optimizer=optimizer), x, y)
+    return ddp.Trainer._run_batch(
+        SimpleNamespace(model=model, loss_fn=loss_fn, optimizer=optimizer), x, y
+    )
 
 
 def _max_diff(a: nn.Module, b: nn.Module) -> float:
@@ -97,8 +141,9 @@ def training_step(train_step: Callable, steps: int = 3) -> None:
     """
     ex = "01.3 one training step"
     train_set, _ = data.load_digits()
-    loader = torch.utils.data.DataLoader(train_set, batch_size=16, shuffle=True,
-                                         generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        train_set, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     batches = [batch for batch, _ in zip(loader, range(steps))]
 
     def fresh():
@@ -112,20 +157,38 @@ def training_step(train_step: Callable, steps: int = 3) -> None:
     for step, (x, y) in enumerate(batches, start=1):
         loss = attempt(ex, train_step, mine, loss_fn, my_opt, x, y)
         ref_loss = _reference_step(ref, loss_fn, ref_opt, x, y)
-        require(isinstance(loss, float), ex, f"train_step returned a {type(loss).__name__}: return "
-                                             f"loss.item(), a Python float (a tensor keeps its graph alive)")
-        require(math.isclose(loss, ref_loss, rel_tol=1e-5), ex,
-                f"step {step}'s loss is {loss:.4f}, the Trainer's is {ref_loss:.4f}: return the loss of "
-                f"this batch, computed before the weights change")
+        require(
+            isinstance(loss, float),
+            ex,
+            f"train_step returned a {type(loss).__name__}: return "
+            f"loss.item(), a Python float (a tensor keeps its graph alive)",
+        )
+        require(
+            math.isclose(loss, ref_loss, rel_tol=1e-5),
+            ex,
+            f"step {step}'s loss is {loss:.4f}, the Trainer's is {ref_loss:.4f}: return the loss of "
+            f"this batch, computed before the weights change",
+        )
         if _max_diff(mine, ref) <= 1e-6:
             continue
-        require(ddp.max_param_diff(mine, start) > 0, ex, "the weights did not change: call optimizer.step() "
-                                                         "after loss.backward(), or is zero_grad() between "
-                                                         "backward() and step() clearing the gradients?")
-        require(step > 1, ex, "after the first step your weights differ from the Trainer's: the order is "
-                              "zero_grad, forward, loss, backward, step")
-        raise ExerciseError(ex, f"the first step matches the Trainer's, step {step} does not: the gradients "
-                                "add up in .grad across steps. Call optimizer.zero_grad() every step")
+        require(
+            ddp.max_param_diff(mine, start) > 0,
+            ex,
+            "the weights did not change: call optimizer.step() "
+            "after loss.backward(), or is zero_grad() between "
+            "backward() and step() clearing the gradients?",
+        )
+        require(
+            step > 1,
+            ex,
+            "after the first step your weights differ from the Trainer's: the order is "
+            "zero_grad, forward, loss, backward, step",
+        )
+        raise ExerciseError(
+            ex,
+            f"the first step matches the Trainer's, step {step} does not: the gradients "
+            "add up in .grad across steps. Call optimizer.zero_grad() every step",
+        )
     passed(ex, f"{steps} steps of train_step give the Trainer's weights and losses")
 
 
@@ -138,20 +201,36 @@ def learning_rates(order: list, lrs=(0.001, 0.01, 0.05), max_steps: int = 45) ->
     """
     ex = "01.4 learning rate"
     guess = [answered(v, ex, f"order[{i}]") for i, v in enumerate(order)]
-    require(sorted(guess) == sorted(lrs), ex, f"order is {guess}: list each of {', '.join(map(str, lrs))} once")
+    require(
+        sorted(guess) == sorted(lrs),
+        ex,
+        f"order is {guess}: list each of {', '.join(map(str, lrs))} once",
+    )
     mean_loss = {}
     for lr in lrs:
-        cfg = ddp.DDPConfig(dataset="digits", epochs=1, batch_size=16, lr=lr, max_steps=max_steps,
-                            evaluate=False)
+        cfg = ddp.DDPConfig(
+            dataset="digits", epochs=1, batch_size=16, lr=lr, max_steps=max_steps, evaluate=False
+        )
         run_dir = run_ranks(ex, ddp.worker, cfg, 1, name=f"ex01_lr{lr:g}").run_dir
         losses = [rec["global_loss"] for rec in read_run(run_dir) if rec["kind"] == "train"]
-        require(len(losses) == max_steps, ex, f"the run at lr={lr} logged {len(losses)} steps, not {max_steps}")
+        require(
+            len(losses) == max_steps,
+            ex,
+            f"the run at lr={lr} logged {len(losses)} steps, not {max_steps}",
+        )
         mean_loss[lr] = sum(losses) / len(losses)
     truth = sorted(lrs, key=mean_loss.get)
     chance = math.log(10)  # cross-entropy of a uniform guess over 10 labels
     for i, (g, t) in enumerate(zip(guess, truth)):
         place = "lowest" if i == 0 else "highest" if i == len(lrs) - 1 else "middle"
-        require(g == t, ex, f"order[{i}] is {g}, but lr={t} gave the {place} mean loss. Too "
-                            "small a step moves slowly; too large a step overshoots, and a loss above "
-                            f"ln 10 ≈ {chance:.2f} is worse than a uniform guess over the 10 labels")
-    passed(ex, f"over {max_steps} steps lr={truth[0]} trained best, then lr={truth[1]}, then lr={truth[2]}")
+        require(
+            g == t,
+            ex,
+            f"order[{i}] is {g}, but lr={t} gave the {place} mean loss. Too "
+            "small a step moves slowly; too large a step overshoots, and a loss above "
+            f"ln 10 ≈ {chance:.2f} is worse than a uniform guess over the 10 labels",
+        )
+    passed(
+        ex,
+        f"over {max_steps} steps lr={truth[0]} trained best, then lr={truth[1]}, then lr={truth[2]}",
+    )

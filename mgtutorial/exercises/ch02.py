@@ -9,11 +9,22 @@ from typing import Callable
 import torch
 from torch.utils.data import DistributedSampler
 
-from .. import data, ddp, env
-from ..launch import launch
-from ..run import WorkerFailed
-from ..runlog import read_run
-from ._common import ExerciseError, answered, attempt, close, passed, require, run_file, run_ranks
+from mgtutorial import ddp
+from mgtutorial.common import data
+from mgtutorial.exercises._common import (
+    ExerciseError,
+    answered,
+    attempt,
+    close,
+    passed,
+    require,
+    run_file,
+    run_ranks,
+)
+from mgtutorial.runtime import env
+from mgtutorial.runtime.launcher import launch
+from mgtutorial.runtime.run import WorkerFailed
+from mgtutorial.runtime.runlog import read_run
 
 
 def failing_rank(cfg: ddp.DDPConfig, predicted: dict) -> None:
@@ -21,10 +32,16 @@ def failing_rank(cfg: ddp.DDPConfig, predicted: dict) -> None:
     before step 6. ``predicted["rank"]`` is the rank the error names and ``predicted["steps_logged"]``
     the number of steps rank 0's log holds when the job stops. Launches ``ddp.worker`` on 2 ranks and reads the run's logs."""
     ex = "02.1 a failing rank"
-    guess = {k: answered(predicted.get(k), ex, f"predicted[{k!r}]") for k in ("rank", "steps_logged")}
-    require((cfg.fail_rank, cfg.fail_step) == (1, 5), ex, f"cfg has fail_rank={cfg.fail_rank}, fail_step="
-                                                         f"{cfg.fail_step}: set fail_rank=1, fail_step=5 (rank 1 "
-                                                         "then raises after 5 completed, logged steps, before step 6)")
+    guess = {
+        k: answered(predicted.get(k), ex, f"predicted[{k!r}]") for k in ("rank", "steps_logged")
+    }
+    require(
+        (cfg.fail_rank, cfg.fail_step) == (1, 5),
+        ex,
+        f"cfg has fail_rank={cfg.fail_rank}, fail_step="
+        f"{cfg.fail_step}: set fail_rank=1, fail_step=5 (rank 1 "
+        "then raises after 5 completed, logged steps, before step 6)",
+    )
     run = launch(ddp.worker, cfg, 2, runs_dir="runs/exercises", name="ex02_fail")
     try:
         run.wait(timeout=60)
@@ -32,27 +49,46 @@ def failing_rank(cfg: ddp.DDPConfig, predicted: dict) -> None:
         failed = e
     except TimeoutError:
         run.stop()
-        raise ExerciseError(ex, "the job did not stop within 60 s: is cfg.max_steps small?") from None
+        raise ExerciseError(
+            ex, "the job did not stop within 60 s: is cfg.max_steps small?"
+        ) from None
     else:
-        raise ExerciseError(ex, f"every rank finished: cfg.max_steps={cfg.max_steps} ends the run before "
-                                "step 5; allow more steps")
+        raise ExerciseError(
+            ex,
+            f"every rank finished: cfg.max_steps={cfg.max_steps} ends the run before "
+            "step 5; allow more steps",
+        )
     logged = sum(1 for rec in read_run(run.run_dir) if rec["kind"] == "train" and rec["rank"] == 0)
-    require(guess["rank"] == failed.rank, ex, f"the error names rank {failed.rank}, you predicted "
-                                              f"{guess['rank']}: launch names the rank whose error came first")
-    require(guess["steps_logged"] == logged, ex,
-            f"rank 0 logged {logged} steps, you predicted {guess['steps_logged']}: every logged step ends "
-            "in an all-reduce (the global loss), so no rank can log a step that the other did not")
+    require(
+        guess["rank"] == failed.rank,
+        ex,
+        f"the error names rank {failed.rank}, you predicted "
+        f"{guess['rank']}: launch names the rank whose error came first",
+    )
+    require(
+        guess["steps_logged"] == logged,
+        ex,
+        f"rank 0 logged {logged} steps, you predicted {guess['steps_logged']}: every logged step ends "
+        "in an all-reduce (the global loss), so no rank can log a step that the other did not",
+    )
     err = Path(failed.log_path).read_text().strip().splitlines()[-1]
-    passed(ex, f"rank {failed.rank} failed; rank 0 logged {logged} steps, then failed in its next collective "
-               f"(gloo) or was stopped (NCCL) because of it; rank"
-               f"{failed.rank}.err ends with '{err}'")
+    passed(
+        ex,
+        f"rank {failed.rank} failed; rank 0 logged {logged} steps, then failed in its next collective "
+        f"(gloo) or was stopped (NCCL) because of it; rank"
+        f"{failed.rank}.err ends with '{err}'",
+    )
 
 
-def _reference_indices(n: int, world_size: int, epochs: int, seed: int = 0) -> list[list[list[int]]]:
+def _reference_indices(
+    n: int, world_size: int, epochs: int, seed: int = 0
+) -> list[list[list[int]]]:
     """``[rank][epoch]`` → the indices DistributedSampler(shuffle=True, seed) deals that rank."""
     out = []
     for rank in range(world_size):
-        sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+        sampler = DistributedSampler(
+            range(n), num_replicas=world_size, rank=rank, shuffle=True, seed=seed
+        )
         out.append([])
         for epoch in range(epochs):
             sampler.set_epoch(epoch)
@@ -68,29 +104,55 @@ def sampler_shares(path: str = "ex02_sampler.py", epochs: int = 2) -> None:
     n = len(data.load_digits()[0])
     values = run_file(ex, path, "draw_indices", 2, timeout_s=20).values
     for rank, drawn in sorted(values.items()):
-        require(isinstance(drawn, list) and len(drawn) == epochs and all(isinstance(e, list) for e in drawn),
-                ex, f"rank {rank} returned {type(drawn).__name__}: return one list of indices per epoch")
+        require(
+            isinstance(drawn, list)
+            and len(drawn) == epochs
+            and all(isinstance(e, list) for e in drawn),
+            ex,
+            f"rank {rank} returned {type(drawn).__name__}: return one list of indices per epoch",
+        )
     a, b = values[0], values[1]
-    require(a[0] != b[0], ex, "rank 0 and rank 1 drew the same indices — did you pass `rank` to the sampler?")
-    require(set(a[0]) | set(b[0]) == set(range(n)), ex,
-            f"together the ranks drew {len(set(a[0]) | set(b[0]))} of the {n} samples: did you pass "
-            "`num_replicas` (the world size) to the sampler?")
+    require(
+        a[0] != b[0],
+        ex,
+        "rank 0 and rank 1 drew the same indices — did you pass `rank` to the sampler?",
+    )
+    require(
+        set(a[0]) | set(b[0]) == set(range(n)),
+        ex,
+        f"together the ranks drew {len(set(a[0]) | set(b[0]))} of the {n} samples: did you pass "
+        "`num_replicas` (the world size) to the sampler?",
+    )
     for rank, drawn in sorted(values.items()):
         unshuffled = list(DistributedSampler(range(n), num_replicas=2, rank=rank, shuffle=False))
-        require(drawn[0] != unshuffled, ex, f"rank {rank} drew the indices in order, every second one from "
-                                            f"{rank} ([{rank}::2]): the sampler does not shuffle; keep "
-                                            "shuffle=True (its default)")
-        require(drawn[1] != drawn[0], ex, f"rank {rank} drew the same order in epoch 1 as in epoch 0: call "
-                                          "sampler.set_epoch(epoch) before drawing each epoch")
+        require(
+            drawn[0] != unshuffled,
+            ex,
+            f"rank {rank} drew the indices in order, every second one from "
+            f"{rank} ([{rank}::2]): the sampler does not shuffle; keep "
+            "shuffle=True (its default)",
+        )
+        require(
+            drawn[1] != drawn[0],
+            ex,
+            f"rank {rank} drew the same order in epoch 1 as in epoch 0: call "
+            "sampler.set_epoch(epoch) before drawing each epoch",
+        )
     reference = _reference_indices(n, 2, epochs)
     for rank, drawn in sorted(values.items()):
         for epoch in range(epochs):
-            require(drawn[epoch] == reference[rank][epoch], ex,
-                    f"rank {rank}'s indices in epoch {epoch} are not DistributedSampler(shuffle=True, "
-                    f"seed=0)'s after set_epoch({epoch}): keep the seed 0 and shuffle=True")
+            require(
+                drawn[epoch] == reference[rank][epoch],
+                ex,
+                f"rank {rank}'s indices in epoch {epoch} are not DistributedSampler(shuffle=True, "
+                f"seed=0)'s after set_epoch({epoch}): keep the seed 0 and shuffle=True",
+            )
     twice = 2 * len(a[0]) - n
-    passed(ex, f"2 ranks drew {len(a[0])} indices each, together all {n} samples ({twice} drawn twice), "
-               f"in a new order in epoch 1")
+    passed(
+        ex,
+        f"2 ranks drew {len(a[0])} indices each, together all {n} samples ({twice} drawn twice), "
+        f"in a new order in epoch 1",
+    )
 
 
 def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
@@ -109,30 +171,57 @@ def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
     loaders = [data.train_loader(train_set, batch_size, r, nprocs) for r in range(nprocs)]
     per_rank, steps = len(loaders[0].sampler), len(loaders[0])
     last = {len(list(loader)[-1][1]) for loader in loaders}
-    require(guess["samples_per_rank"] == per_rank, ex,
-            f"predicted[\"samples_per_rank\"] = {guess['samples_per_rank']}: the sampler pads {len(train_set)} "
-            f"samples up to a multiple of {nprocs} ranks, then deals them out")
-    require(guess["steps"] == steps, ex, f"predicted[\"steps\"] = {guess['steps']}: {per_rank} samples in "
-                                         f"batches of {batch_size}, the last one shorter (drop_last=False)")
-    require({guess["last_batch"]} == last, ex, f"predicted[\"last_batch\"] = {guess['last_batch']}: what is "
-                                               f"left of {per_rank} after {steps - 1} full batches?")
+    require(
+        guess["samples_per_rank"] == per_rank,
+        ex,
+        f'predicted["samples_per_rank"] = {guess["samples_per_rank"]}: the sampler pads {len(train_set)} '
+        f"samples up to a multiple of {nprocs} ranks, then deals them out",
+    )
+    require(
+        guess["steps"] == steps,
+        ex,
+        f'predicted["steps"] = {guess["steps"]}: {per_rank} samples in '
+        f"batches of {batch_size}, the last one shorter (drop_last=False)",
+    )
+    require(
+        {guess["last_batch"]} == last,
+        ex,
+        f'predicted["last_batch"] = {guess["last_batch"]}: what is '
+        f"left of {per_rank} after {steps - 1} full batches?",
+    )
     checkpoint = Path("runs/exercises/ex02_last_batch.pt").resolve()
-    cfg = ddp.DDPConfig(dataset="digits", epochs=1, batch_size=batch_size, max_steps=steps, evaluate=False,
-                        tf32=False, checkpoint=str(checkpoint))
+    cfg = ddp.DDPConfig(
+        dataset="digits",
+        epochs=1,
+        batch_size=batch_size,
+        max_steps=steps,
+        evaluate=False,
+        tf32=False,
+        checkpoint=str(checkpoint),
+    )
     run_ranks(ex, ddp.worker, cfg, nprocs, name="ex02_last_batch")
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
     diff = ddp.max_param_diff(ddp.combined_batch_reference(cfg, nprocs), state)
-    gpus = env.resolve_backend("auto", nprocs) == "nccl"  # GPU float32 vs the CPU reference: more rounding
+    gpus = (
+        env.resolve_backend("auto", nprocs) == "nccl"
+    )  # GPU float32 vs the CPU reference: more rounding
     equal = diff < (1e-4 if gpus else 1e-5)
-    require(guess["equal"] == equal, ex,
-            f"predicted[\"equal\"] = {guess['equal']}, but DDP {'equals' if equal else 'differs from'} one "
-            "process on the combined batches: at the last step, does every rank's batch have the same size?")
-    passed(ex, f"{per_rank} samples per rank, {steps} steps, the last of {last.pop()} on every rank: "
-               + ("DDP still equals one process on the combined batches" if equal else "DDP differs"))
+    require(
+        guess["equal"] == equal,
+        ex,
+        f'predicted["equal"] = {guess["equal"]}, but DDP {"equals" if equal else "differs from"} one '
+        "process on the combined batches: at the last step, does every rank's batch have the same size?",
+    )
+    passed(
+        ex,
+        f"{per_rank} samples per rank, {steps} steps, the last of {last.pop()} on every rank: "
+        + ("DDP still equals one process on the combined batches" if equal else "DDP differs"),
+    )
 
 
-def _reference_lr(step: int, base_lr: float, base_batch: int, batch_size: int, world_size: int,
-                  warmup_steps: int) -> float:
+def _reference_lr(
+    step: int, base_lr: float, base_batch: int, batch_size: int, world_size: int, warmup_steps: int
+) -> float:
     target = base_lr * batch_size * world_size / base_batch
     return target if step >= warmup_steps else base_lr + (target - base_lr) * step / warmup_steps
 
@@ -142,7 +231,11 @@ def _shown(kw: dict) -> str:
 
 
 CASES = (  # (base_lr, base_batch, batch_size, world_size, warmup_steps)
-    (0.01, 16, 16, 2, 10), (0.01, 16, 32, 4, 20), (0.1, 256, 32, 8, 100), (0.1, 256, 64, 8, 0))
+    (0.01, 16, 16, 2, 10),
+    (0.01, 16, 32, 4, 20),
+    (0.1, 256, 32, 8, 100),
+    (0.1, 256, 64, 8, 0),
+)
 
 
 def linear_scaling(lr_at: Callable) -> None:
@@ -150,26 +243,49 @@ def linear_scaling(lr_at: Callable) -> None:
     the learning rate at optimizer ``step`` (0, 1, …) under the linear scaling rule with a linear
     warm-up from ``base_lr``. Compared with the rule on a few configurations and steps."""
     ex = "02.4 linear scaling rule"
-    cases = [dict(zip(("base_lr", "base_batch", "batch_size", "world_size", "warmup_steps"), c)) for c in CASES]
+    cases = [
+        dict(zip(("base_lr", "base_batch", "batch_size", "world_size", "warmup_steps"), c))
+        for c in CASES
+    ]
     for kw in cases:  # first the rate after warm-up, then the warm-up itself
-        base_lr, base_batch, warmup, where = kw["base_lr"], kw["base_batch"], kw["warmup_steps"], _shown(kw)
+        base_lr, base_batch, warmup, where = (
+            kw["base_lr"],
+            kw["base_batch"],
+            kw["warmup_steps"],
+            _shown(kw),
+        )
         target, effective = _reference_lr(warmup, **kw), kw["batch_size"] * kw["world_size"]
         got = attempt(ex, lr_at, warmup + 1, **kw)
-        require(not close(got, base_lr * kw["world_size"]) or close(target, got), ex,
-                f"after warm-up {where} is {got:g}: you scaled by the number of ranks only; the effective "
-                f"batch is batch_size × world_size = {effective}, {effective / base_batch:g}× base_batch")
-        require(close(got, target), ex,
-                f"after warm-up {where} is {got:g}: multiply base_lr by the factor the batch grew, "
-                f"(batch_size × world_size) / base_batch = {effective}/{base_batch}")
+        require(
+            not close(got, base_lr * kw["world_size"]) or close(target, got),
+            ex,
+            f"after warm-up {where} is {got:g}: you scaled by the number of ranks only; the effective "
+            f"batch is batch_size × world_size = {effective}, {effective / base_batch:g}× base_batch",
+        )
+        require(
+            close(got, target),
+            ex,
+            f"after warm-up {where} is {got:g}: multiply base_lr by the factor the batch grew, "
+            f"(batch_size × world_size) / base_batch = {effective}/{base_batch}",
+        )
     for kw in cases:
         base_lr, warmup, where = kw["base_lr"], kw["warmup_steps"], _shown(kw)
         if warmup:
             got0, got_mid = attempt(ex, lr_at, 0, **kw), attempt(ex, lr_at, warmup // 2, **kw)
-            require(close(got0, base_lr), ex, f"{where} at step 0 is {got0:g}: the warm-up starts "
-                                                     f"from base_lr = {base_lr:g}")
-            require(close(got_mid, _reference_lr(warmup // 2, **kw)), ex,
-                    f"{where} at step {warmup // 2} is {got_mid:g}: halfway through the warm-up the rate is "
-                    f"halfway from base_lr to the scaled rate (a straight line)")
+            require(
+                close(got0, base_lr),
+                ex,
+                f"{where} at step 0 is {got0:g}: the warm-up starts from base_lr = {base_lr:g}",
+            )
+            require(
+                close(got_mid, _reference_lr(warmup // 2, **kw)),
+                ex,
+                f"{where} at step {warmup // 2} is {got_mid:g}: halfway through the warm-up the rate is "
+                f"halfway from base_lr to the scaled rate (a straight line)",
+            )
     example = _reference_lr(10, *CASES[0])
-    passed(ex, f"lr_at follows the rule on {len(CASES)} configurations, e.g. 2 ranks of 16 against a "
-               f"base batch of 16: 0.01 rising to {example:g}")
+    passed(
+        ex,
+        f"lr_at follows the rule on {len(CASES)} configurations, e.g. 2 ranks of 16 against a "
+        f"base batch of 16: 0.01 rising to {example:g}",
+    )

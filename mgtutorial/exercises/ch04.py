@@ -9,13 +9,23 @@ import itertools
 import torch
 from torch import nn
 
-from .. import models
-from .. import pipeline as P
-from .. import timeline as T
-from ._common import ExerciseError, answered, attempt, close, passed, require, run_ranks
+from mgtutorial.common import models
+from mgtutorial.exercises._common import (
+    ExerciseError,
+    answered,
+    attempt,
+    close,
+    passed,
+    require,
+    run_ranks,
+)
+from mgtutorial.pipeline import schedules as P
+from mgtutorial.pipeline import timeline as T
 
 
-def _simulated_bubble(p: int, m: int, schedule: str, forward: float = 1.0, backward: float = 2.0) -> float:
+def _simulated_bubble(
+    p: int, m: int, schedule: str, forward: float = 1.0, backward: float = 2.0
+) -> float:
     """Idle fraction of one step of ``schedule`` ("gpipe" | "1f1b") on ``p`` stages with ``m``
     micro-batches, every forward lasting ``forward`` and every backward ``backward`` (no cost between
     boxes): each box starts when its inputs are ready and its stage is free, in the schedule's order."""
@@ -37,7 +47,11 @@ def _simulated_bubble(p: int, m: int, schedule: str, forward: float = 1.0, backw
         for s in range(p):
             while pending[s]:
                 kind, i = pending[s][0]
-                dep = (s - 1, "F", i) if kind == "F" else ((s + 1, "B", i) if s < p - 1 else (s, "F", i))
+                dep = (
+                    (s - 1, "F", i)
+                    if kind == "F"
+                    else ((s + 1, "B", i) if s < p - 1 else (s, "F", i))
+                )
                 if kind == "F" and s == 0:
                     ready = 0.0
                 elif dep in end:
@@ -58,29 +72,53 @@ def bubble(predicted: dict, smallest_m) -> None:
     """04.1: ``predicted[(p, m, v)]`` is the ideal bubble fraction (a float) for p ranks, m micro-batches
     and v stages per rank, for (4, 8, 1), (4, 8, 2) and (8, 16, 1); ``smallest_m`` (an int) is the
     smallest m whose ideal bubble at p = 4, v = 1 is at most 10 %. Verified against
-    :func:`mgtutorial.timeline.bubble_formula` and, for v = 1, against a simulation of GPipe and 1F1B
+    :func:`mgtutorial.pipeline.timeline.bubble_formula` and, for v = 1, against a simulation of GPipe and 1F1B
     steps whose boxes have no cost between them."""
     ex = "04.1 bubble formula"
-    for (p, m, v) in ((4, 8, 1), (4, 8, 2), (8, 16, 1)):
+    for p, m, v in ((4, 8, 1), (4, 8, 2), (8, 16, 1)):
         guess = answered(predicted.get((p, m, v)), ex, f"predicted[{(p, m, v)}]")
         truth = T.bubble_formula(p, m, stages_per_rank=v)
         if v == 1:
             for schedule in ("gpipe", "1f1b"):
                 simulated = _simulated_bubble(p, m, schedule)
-                require(close(simulated, truth), ex, f"the simulated {schedule} step ({simulated}) no longer "
-                                                     f"matches the formula ({truth}): the checker is broken")
-        require(close(guess, truth, rel=1e-3, abs_=1e-3), ex,
-                f"for p={p}, m={m}, v={v} the idle fraction is {truth:.3f}, you predicted {guess!r}: "
-                + ("the pipeline fills and drains in p − 1 slots out of m + p − 1" if v == 1 else
-                   "with v stages per rank a slot is v times shorter: (p − 1) / (v·m + p − 1)"))
+                require(
+                    close(simulated, truth),
+                    ex,
+                    f"the simulated {schedule} step ({simulated}) no longer "
+                    f"matches the formula ({truth}): the checker is broken",
+                )
+        require(
+            close(guess, truth, rel=1e-3, abs_=1e-3),
+            ex,
+            f"for p={p}, m={m}, v={v} the idle fraction is {truth:.3f}, you predicted {guess!r}: "
+            + (
+                "the pipeline fills and drains in p − 1 slots out of m + p − 1"
+                if v == 1
+                else "with v stages per rank a slot is v times shorter: (p − 1) / (v·m + p − 1)"
+            ),
+        )
     m = answered(smallest_m, ex, "smallest_m")
-    require(isinstance(m, int) and m >= 1, ex, f"smallest_m = {m!r}: give a whole number of micro-batches")
-    require(T.bubble_formula(4, m) <= 0.10, ex, f"at p=4, m={m} the bubble is {T.bubble_formula(4, m):.3f}, "
-                                                 "above 0.10: solve (p − 1) / (m + p − 1) ≤ 0.1 for m")
-    require(m == 1 or T.bubble_formula(4, m - 1) > 0.10, ex,
-            f"m={m - 1} already gives {T.bubble_formula(4, m - 1):.3f} ≤ 0.10: the smallest such m is asked for")
-    passed(ex, "3 predictions equal (p−1)/(v·m+p−1), a simulated GPipe and 1F1B step agree, "
-               "and m = 27 is the smallest with a bubble ≤ 10 % at p = 4")
+    require(
+        isinstance(m, int) and m >= 1,
+        ex,
+        f"smallest_m = {m!r}: give a whole number of micro-batches",
+    )
+    require(
+        T.bubble_formula(4, m) <= 0.10,
+        ex,
+        f"at p=4, m={m} the bubble is {T.bubble_formula(4, m):.3f}, "
+        "above 0.10: solve (p − 1) / (m + p − 1) ≤ 0.1 for m",
+    )
+    require(
+        m == 1 or T.bubble_formula(4, m - 1) > 0.10,
+        ex,
+        f"m={m - 1} already gives {T.bubble_formula(4, m - 1):.3f} ≤ 0.10: the smallest such m is asked for",
+    )
+    passed(
+        ex,
+        "3 predictions equal (p−1)/(v·m+p−1), a simulated GPipe and 1F1B step agree, "
+        "and m = 27 is the smallest with a bubble ≤ 10 % at p = 4",
+    )
 
 
 def _stage_bytes(cfg: P.PipelineConfig, stage: int) -> tuple[int, int]:
@@ -107,37 +145,56 @@ def peak_bytes(predicted: dict) -> None:
     section 5 (held once, per micro-batch, micro-batches held).
     """
     ex = "04.2 peak activation bytes"
-    guesses = {key: answered(predicted.get(key), ex, f"predicted[{key!r}]")
-               for key in itertools.product(("gpipe", "1f1b"), (0, 1))}
+    guesses = {
+        key: answered(predicted.get(key), ex, f"predicted[{key!r}]")
+        for key in itertools.product(("gpipe", "1f1b"), (0, 1))
+    }
     for schedule in ("gpipe", "1f1b"):
-        cfg = P.PipelineConfig(schedule=schedule, n_microbatches=8, batch_size=64, steps=1,
-                               sizes=[128] * 5, save_params=False)
+        cfg = P.PipelineConfig(
+            schedule=schedule,
+            n_microbatches=8,
+            batch_size=64,
+            steps=1,
+            sizes=[128] * 5,
+            save_params=False,
+        )
         values = run_ranks(ex, P.worker, cfg, 2, name=f"peak-{schedule}", threads_per_rank=1).values
         for s, value in sorted(values.items()):
             peak, (fixed, per_mb) = value["peak_activation_bytes"], _stage_bytes(cfg, s)
             held, rest = divmod(peak - fixed, per_mb)
-            require(rest == 0, ex, f"stage {s} measured {peak} bytes, not {fixed} + k·{per_mb}: the chapter's "
-                                   "model or ActivationMeter changed; rerun section 5")
+            require(
+                rest == 0,
+                ex,
+                f"stage {s} measured {peak} bytes, not {fixed} + k·{per_mb}: the chapter's "
+                "model or ActivationMeter changed; rerun section 5",
+            )
             guess = guesses[schedule, s]
             if guess == peak:
                 continue
-            why = (f"it is {fixed} held once ({'the input batch' if s == 0 else 'the int64 targets'}) + "
-                   f"{_micro_batches(held)} of {per_mb} bytes each: check each part against section 5's "
-                   "breakdown for width 1024")
-            raise ExerciseError(ex, f"under {schedule} stage {s} peaks at {peak} bytes, you predicted {guess!r}; {why}")
+            why = (
+                f"it is {fixed} held once ({'the input batch' if s == 0 else 'the int64 targets'}) + "
+                f"{_micro_batches(held)} of {per_mb} bytes each: check each part against section 5's "
+                "breakdown for width 1024"
+            )
+            raise ExerciseError(
+                ex,
+                f"under {schedule} stage {s} peaks at {peak} bytes, you predicted {guess!r}; {why}",
+            )
     passed(ex, "GPipe peaks at 98304 and 98848 bytes, 1F1B at 49152 and 12804 (stages 0 and 1)")
 
 
 def _best_largest_stage(counts: list[int], k: int) -> int:
     """The smallest possible parameter count of the largest of ``k`` consecutive non-empty stages."""
     n = len(counts)
-    return min(max(sum(counts[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
-               for cuts in itertools.combinations(range(1, n), k - 1))
+    return min(
+        max(sum(counts[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
+        for cuts in itertools.combinations(range(1, n), k - 1)
+    )
 
 
 def balanced_split(split_fn) -> None:
     """04.3: ``split_fn(mlp, k)`` returns ``k`` modules, the consecutive sub-networks of ``mlp`` (an
-    :class:`~mgtutorial.models.ArticleMLP`) with the largest stage's parameter count as small as possible.
+    :class:`~mgtutorial.common.models.ArticleMLP`) with the largest stage's parameter count as small as possible.
 
     Verified on the article's MLP (k = 2, 3), on a 5-block MLP (k = 2, 3, 4), and on one (k = 3) where
     the smallest spread (largest − smallest) is not the smallest largest stage: k stages, each with
@@ -146,27 +203,47 @@ def balanced_split(split_fn) -> None:
     smallest possible (found by trying every cut).
     """
     ex = "04.3 balanced split"
-    for sizes, k in (((1024, 512, 256, 100), 2), ((1024, 512, 256, 100), 3),
-                     ((64, 256, 256, 64, 32, 10), 2), ((64, 256, 256, 64, 32, 10), 3),
-                     ((64, 256, 256, 64, 32, 10), 4), ((16, 16, 64, 128, 32, 128), 3)):
+    for sizes, k in (
+        ((1024, 512, 256, 100), 2),
+        ((1024, 512, 256, 100), 3),
+        ((64, 256, 256, 64, 32, 10), 2),
+        ((64, 256, 256, 64, 32, 10), 3),
+        ((64, 256, 256, 64, 32, 10), 4),
+        ((16, 16, 64, 128, 32, 128), 3),
+    ):
         torch.manual_seed(0)
         mlp = models.ArticleMLP(sizes)
         stages = attempt(ex, split_fn, mlp, k)
         where = f"split_fn(ArticleMLP({sizes}), {k})"
-        require(isinstance(stages, (list, tuple)) and len(stages) == k and
-                all(isinstance(st, nn.Module) for st in stages), ex,
-                f"{where} returned {type(stages).__name__} of {len(stages) if hasattr(stages, '__len__') else '?'} "
-                f"items: return a list of {k} modules (e.g. nn.Sequential of sub-networks)")
+        require(
+            isinstance(stages, (list, tuple))
+            and len(stages) == k
+            and all(isinstance(st, nn.Module) for st in stages),
+            ex,
+            f"{where} returned {type(stages).__name__} of {len(stages) if hasattr(stages, '__len__') else '?'} "
+            f"items: return a list of {k} modules (e.g. nn.Sequential of sub-networks)",
+        )
         counts = [models.count_parameters(st) for st in stages]
         whole = models.count_parameters(mlp)
-        require(all(counts), ex, f"{where} has an empty stage (parameters {counts}): every stage needs "
-                                 "at least one sub-network")
-        require(sum(counts) == whole, ex, f"{where}: the stages hold {sum(counts):,} parameters, the "
-                                          f"model {whole:,}: is a sub-network missing or repeated?")
+        require(
+            all(counts),
+            ex,
+            f"{where} has an empty stage (parameters {counts}): every stage needs "
+            "at least one sub-network",
+        )
+        require(
+            sum(counts) == whole,
+            ex,
+            f"{where}: the stages hold {sum(counts):,} parameters, the "
+            f"model {whole:,}: is a sub-network missing or repeated?",
+        )
         own = {id(p) for p in mlp.parameters()}
-        require(all(id(p) in own for st in stages for p in st.parameters()), ex,
-                f"{where}: the stages hold copies, not the model's parameters: wrap mlp.subnets[a:b], "
-                "do not build new layers")
+        require(
+            all(id(p) in own for st in stages for p in st.parameters()),
+            ex,
+            f"{where}: the stages hold copies, not the model's parameters: wrap mlp.subnets[a:b], "
+            "do not build new layers",
+        )
         x = torch.randn(5, sizes[0])
         out = x
         with torch.no_grad():
@@ -174,18 +251,27 @@ def balanced_split(split_fn) -> None:
                 for st in stages:
                     out = st(out)
             except Exception as err:
-                raise ExerciseError(ex, f"{where}: running the stages in order failed ({type(err).__name__}: "
-                                        f"{err}): keep the sub-networks in order, each exactly once; each stage "
-                                        "one callable module (nn.Sequential)") from None
+                raise ExerciseError(
+                    ex,
+                    f"{where}: running the stages in order failed ({type(err).__name__}: "
+                    f"{err}): keep the sub-networks in order, each exactly once; each stage "
+                    "one callable module (nn.Sequential)",
+                ) from None
             want = mlp(x)
-        require(out.shape == want.shape and torch.allclose(out, want, atol=1e-6), ex,
-                f"{where}: the stages applied in order do not compute the model's output: keep the "
-                "sub-networks in order, each exactly once")
+        require(
+            out.shape == want.shape and torch.allclose(out, want, atol=1e-6),
+            ex,
+            f"{where}: the stages applied in order do not compute the model's output: keep the "
+            "sub-networks in order, each exactly once",
+        )
         best = _best_largest_stage([models.count_parameters(sn) for sn in mlp.subnets], k)
-        require(max(counts) == best, ex,
-                f"{where}: the largest stage holds {max(counts):,} parameters, but a split whose largest "
-                f"stage holds {best:,} exists (yours: {counts}): count each sub-network's parameters "
-                "and choose the cuts that make the largest stage smallest")
+        require(
+            max(counts) == best,
+            ex,
+            f"{where}: the largest stage holds {max(counts):,} parameters, but a split whose largest "
+            f"stage holds {best:,} exists (yours: {counts}): count each sub-network's parameters "
+            "and choose the cuts that make the largest stage smallest",
+        )
     passed(ex, "6 splits have the model's parameters, its output and the smallest largest stage")
 
 
@@ -204,18 +290,27 @@ def loss_weighting(accumulate) -> None:
         x, y = torch.randn(batch, 16, generator=g), torch.randint(0, 10, (batch,), generator=g)
         torch.manual_seed(0)
         model = models.ArticleMLP((16, 32, 10))
-        want = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
+        want = torch.autograd.grad(
+            nn.functional.cross_entropy(model(x), y), list(model.parameters())
+        )
         equal = [torch.zeros_like(w) for w in want]
         for xi, yi in zip(torch.tensor_split(x, m), torch.tensor_split(y, m)):
-            for acc, gi in zip(equal, torch.autograd.grad(nn.functional.cross_entropy(model(xi), yi),
-                                                          list(model.parameters()))):
+            for acc, gi in zip(
+                equal,
+                torch.autograd.grad(
+                    nn.functional.cross_entropy(model(xi), yi), list(model.parameters())
+                ),
+            ):
                 acc += gi / m
         model.zero_grad(set_to_none=True)
         attempt(ex, accumulate, model, x, y, m)
         got = [p.grad for p in model.parameters()]
         sizes = [len(c) for c in torch.tensor_split(y, m)]
-        require(all(gr is not None for gr in got), ex,
-                f"batch {batch}, m={m}: some parameters have no .grad: call backward() on each micro-batch's loss")
+        require(
+            all(gr is not None for gr in got),
+            ex,
+            f"batch {batch}, m={m}: some parameters have no .grad: call backward() on each micro-batch's loss",
+        )
         if all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want)):
             continue
         if all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, equal)):
@@ -224,7 +319,10 @@ def loss_weighting(accumulate) -> None:
             hint = "you summed the micro-batch means unweighted (m times too large); weight each by n_i / batch"
         else:
             hint = "compare with one backward of the full batch's mean loss; do not zero .grad between micro-batches"
-        raise ExerciseError(ex, f"batch {batch} in m={m} micro-batches of {sizes}: the gradient differs "
-                                f"from the full batch's by up to "
-                                f"{max((a - b).abs().max().item() for a, b in zip(got, want)):.1e}: {hint}")
+        raise ExerciseError(
+            ex,
+            f"batch {batch} in m={m} micro-batches of {sizes}: the gradient differs "
+            f"from the full batch's by up to "
+            f"{max((a - b).abs().max().item() for a, b in zip(got, want)):.1e}: {hint}",
+        )
     passed(ex, "batch 33 in 4, 32 in 3 and 32 in 4 micro-batches give the full batch's gradient")

@@ -24,9 +24,16 @@ from argparse import ArgumentError
 from pathlib import Path
 from unittest import mock
 
-from ._common import ExerciseError, answered, attempt, passed, require
+from mgtutorial.exercises._common import ExerciseError, answered, attempt, passed, require
 
-_LAYOUTS = ((4, 4), (2, 2, 2), (8,), (1, 1, 1, 1), (4, 2), (1, 3, 2))  # ranks per node, node by node
+_LAYOUTS = (
+    (4, 4),
+    (2, 2, 2),
+    (8,),
+    (1, 1, 1, 1),
+    (4, 2),
+    (1, 3, 2),
+)  # ranks per node, node by node
 
 
 def torchrun_ranks(nprocs: tuple[int, ...]) -> dict[int, list[dict]]:
@@ -42,15 +49,22 @@ def torchrun_ranks(nprocs: tuple[int, ...]) -> dict[int, list[dict]]:
 
     def agent(group_rank: int) -> None:
         spec = types.SimpleNamespace(role="default", local_world_size=nprocs[group_rank])
-        out[group_rank] = SimpleElasticAgent._assign_worker_ranks(None, store, group_rank, len(nprocs), spec)
+        out[group_rank] = SimpleElasticAgent._assign_worker_ranks(
+            None, store, group_rank, len(nprocs), spec
+        )
 
     threads = [threading.Thread(target=agent, args=(g,), daemon=True) for g in range(len(nprocs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(20)
-    return {g: [{"RANK": w.global_rank, "LOCAL_RANK": w.local_rank, "WORLD_SIZE": w.world_size}
-                for w in out[g]] for g in sorted(out)}
+    return {
+        g: [
+            {"RANK": w.global_rank, "LOCAL_RANK": w.local_rank, "WORLD_SIZE": w.world_size}
+            for w in out[g]
+        ]
+        for g in sorted(out)
+    }
 
 
 def ranks_of(fn) -> None:
@@ -66,18 +80,33 @@ def ranks_of(fn) -> None:
         for node, per_node in enumerate(nprocs):
             got = attempt(ex, fn, node, list(nprocs))
             where = f"node {node} of a job with {'+'.join(map(str, nprocs))} ranks per node"
-            require(isinstance(got, (list, tuple)) and len(got) == per_node, ex,
-                    f"{where}: return a list of {per_node} dicts (one per local rank), not {got!r}")
+            require(
+                isinstance(got, (list, tuple)) and len(got) == per_node,
+                ex,
+                f"{where}: return a list of {per_node} dicts (one per local rank), not {got!r}",
+            )
             for want, row in zip(truth[node], got):
-                require(isinstance(row, dict) and {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= set(row), ex,
-                        f"{where}: each row is a dict with RANK, LOCAL_RANK and WORLD_SIZE, not {row!r}")
-                for key, hint in (("LOCAL_RANK", "local ranks restart at 0 on every node"),
-                                  ("WORLD_SIZE", "WORLD_SIZE counts the ranks of all nodes"),
-                                  ("RANK", "global ranks continue where the nodes before this one stopped")):
-                    require(row[key] == want[key], ex, f"{where}, local rank {want['LOCAL_RANK']}: "
-                                                       f"torchrun sets {key}={want[key]}, you gave {row[key]}: {hint}")
-    passed(ex, "RANK, LOCAL_RANK and WORLD_SIZE match torchrun's for 4+4, 2+2+2, 8, 1+1+1+1, 4+2 and 1+3+2 "
-               "ranks per node")
+                require(
+                    isinstance(row, dict) and {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= set(row),
+                    ex,
+                    f"{where}: each row is a dict with RANK, LOCAL_RANK and WORLD_SIZE, not {row!r}",
+                )
+                for key, hint in (
+                    ("LOCAL_RANK", "local ranks restart at 0 on every node"),
+                    ("WORLD_SIZE", "WORLD_SIZE counts the ranks of all nodes"),
+                    ("RANK", "global ranks continue where the nodes before this one stopped"),
+                ):
+                    require(
+                        row[key] == want[key],
+                        ex,
+                        f"{where}, local rank {want['LOCAL_RANK']}: "
+                        f"torchrun sets {key}={want[key]}, you gave {row[key]}: {hint}",
+                    )
+    passed(
+        ex,
+        "RANK, LOCAL_RANK and WORLD_SIZE match torchrun's for 4+4, 2+2+2, 8, 1+1+1+1, 4+2 and 1+3+2 "
+        "ranks per node",
+    )
 
 
 def two_node_command(command) -> None:
@@ -89,7 +118,11 @@ def two_node_command(command) -> None:
     ex = "05a.2 a two-node command"
     require(command is not ... and command, ex, "`command` is still empty: write the torchrun line")
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
-    require(argv and Path(argv[0]).name == "torchrun", ex, f"the command starts with {argv[:1]}, not torchrun")
+    require(
+        argv and Path(argv[0]).name == "torchrun",
+        ex,
+        f"the command starts with {argv[:1]}, not torchrun",
+    )
     parser = get_args_parser()
     parser.prog, parser.exit_on_error = "torchrun", False
 
@@ -102,30 +135,53 @@ def two_node_command(command) -> None:
     except ArgumentError as e:
         refuse(str(e))
     # torchrun itself stops here ("unrecognized arguments"); argparse puts what follows in the script's place
-    require(not unknown, ex, f"torchrun has no option {' '.join(unknown)}: check the option names "
-                             f"(`torchrun --help`)")
-    require(not args.standalone, ex, "--standalone makes a one-node job with a local rendezvous: "
-                                     "every node must meet at node0:29500 instead")
+    require(
+        not unknown,
+        ex,
+        f"torchrun has no option {' '.join(unknown)}: check the option names (`torchrun --help`)",
+    )
+    require(
+        not args.standalone,
+        ex,
+        "--standalone makes a one-node job with a local rendezvous: "
+        "every node must meet at node0:29500 instead",
+    )
     try:
         nnodes = "2" if parse_min_max_nnodes(args.nnodes) == (2, 2) else args.nnodes  # "2" or "2:2"
     except ValueError:
         nnodes = args.nnodes
-    checks = [(nnodes, "2", "--nnodes", "the job has 2 nodes (2, or 2:2 as min:max)"),
-              (args.nproc_per_node, "4", "--nproc-per-node", "4 ranks (one per GPU) on each node"),
-              (args.rdzv_backend, "c10d", "--rdzv-backend", "the dynamic rendezvous is c10d"),
-              (args.rdzv_endpoint, "node0:29500", "--rdzv-endpoint", "every node meets at node0:29500"),
-              (args.rdzv_id, "job42", "--rdzv-id", "the job's id, the same on every node")]
+    checks = [
+        (nnodes, "2", "--nnodes", "the job has 2 nodes (2, or 2:2 as min:max)"),
+        (args.nproc_per_node, "4", "--nproc-per-node", "4 ranks (one per GPU) on each node"),
+        (args.rdzv_backend, "c10d", "--rdzv-backend", "the dynamic rendezvous is c10d"),
+        (args.rdzv_endpoint, "node0:29500", "--rdzv-endpoint", "every node meets at node0:29500"),
+        (args.rdzv_id, "job42", "--rdzv-id", "the job's id, the same on every node"),
+    ]
     for value, want, option, why in checks:
-        require(str(value) == want, ex, f"torchrun reads {option} as {value!r}, not {want!r}: {why}")
-    require(args.node_rank == 0 and args.master_addr == "127.0.0.1", ex,
-            "with the c10d rendezvous nobody passes --node-rank or --master-addr: the rendezvous "
-            "hands out node ranks itself")
-    require(args.module and args.training_script == "mgtutorial", ex,
-            "torchrun must run the package as a module: `-m mgtutorial` before its arguments")
-    require(args.training_script_args == ["ddp", "--epochs", "3"], ex,
-            f"the worker's arguments are {args.training_script_args}, not ['ddp', '--epochs', '3']")
-    passed(ex, "torchrun's parser reads 2 nodes, 4 ranks each, c10d at node0:29500, id job42, -m mgtutorial ddp: "
-               "the same line on every node")
+        require(
+            str(value) == want, ex, f"torchrun reads {option} as {value!r}, not {want!r}: {why}"
+        )
+    require(
+        args.node_rank == 0 and args.master_addr == "127.0.0.1",
+        ex,
+        "with the c10d rendezvous nobody passes --node-rank or --master-addr: the rendezvous "
+        "hands out node ranks itself",
+    )
+    require(
+        args.module and args.training_script == "mgtutorial",
+        ex,
+        "torchrun must run the package as a module: `-m mgtutorial` before its arguments",
+    )
+    require(
+        args.training_script_args == ["ddp", "--epochs", "3"],
+        ex,
+        f"the worker's arguments are {args.training_script_args}, not ['ddp', '--epochs', '3']",
+    )
+    passed(
+        ex,
+        "torchrun's parser reads 2 nodes, 4 ranks each, c10d at node0:29500, id job42, -m mgtutorial ddp: "
+        "the same line on every node",
+    )
 
 
 def _sbatch() -> Path:
@@ -140,28 +196,57 @@ def sbatch_options(slurm: dict[str, str], hostnames: list[str]) -> dict[str, str
     (prints what it would run) and ``scontrol`` (prints ``hostnames``); returns its torchrun options
     and the ``OMP_NUM_THREADS`` it exports, e.g. ``{"--nnodes": "2", …, "OMP_NUM_THREADS": "4"}``."""
     with tempfile.TemporaryDirectory() as fake:
-        bodies = {"srun": 'echo "$OMP_NUM_THREADS"; echo "$@"',
-                  "scontrol": "printf '%s\\n' " + " ".join(shlex.quote(h) for h in hostnames)}
+        bodies = {
+            "srun": 'echo "$OMP_NUM_THREADS"; echo "$@"',
+            "scontrol": "printf '%s\\n' " + " ".join(shlex.quote(h) for h in hostnames),
+        }
         for name, body in bodies.items():
             (Path(fake) / name).write_text(f"#!/bin/sh\n{body}\n")
             (Path(fake) / name).chmod(stat.S_IRWXU)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in
-               ("OMP_NUM_THREADS", "GPUS_PER_NODE", "RDZV_PORT", "TORCHRUN")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("SLURM_")
+            and k not in ("OMP_NUM_THREADS", "GPUS_PER_NODE", "RDZV_PORT", "TORCHRUN")
+        }
         env.update(slurm, PATH=f"{fake}:{os.environ['PATH']}")
-        out = subprocess.run(["bash", str(_sbatch())], env=env, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["bash", str(_sbatch())], env=env, capture_output=True, text=True, timeout=30
+        )
     if out.returncode:
         raise RuntimeError(f"ddp.sbatch failed: {out.stderr.strip()}")
     omp, cmd = out.stdout.strip().splitlines()
     argv = shlex.split(cmd)
-    opts = {a: argv[i + 1] for i, a in enumerate(argv) if a.startswith("--") and a != "--kill-on-bad-exit=1"
-            and argv.index("-m") > i}
+    opts = {
+        a: argv[i + 1]
+        for i, a in enumerate(argv)
+        if a.startswith("--") and a != "--kill-on-bad-exit=1" and argv.index("-m") > i
+    }
     return {**opts, "OMP_NUM_THREADS": omp}
 
 
-_JOBS = (({"SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-a[17-18]",
-           "SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_PER_TASK": "16"}, ["gpu-a17", "gpu-a18"]),
-         ({"SLURM_NNODES": "3", "SLURM_JOB_ID": "977", "SLURM_JOB_NODELIST": "n[003-005]",
-           "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_PER_TASK": "4"}, ["n003", "n004", "n005"]))  # < 1 core per rank
+_JOBS = (
+    (
+        {
+            "SLURM_NNODES": "2",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": "gpu-a[17-18]",
+            "SLURM_GPUS_ON_NODE": "4",
+            "SLURM_CPUS_PER_TASK": "16",
+        },
+        ["gpu-a17", "gpu-a18"],
+    ),
+    (
+        {
+            "SLURM_NNODES": "3",
+            "SLURM_JOB_ID": "977",
+            "SLURM_JOB_NODELIST": "n[003-005]",
+            "SLURM_GPUS_ON_NODE": "8",
+            "SLURM_CPUS_PER_TASK": "4",
+        },
+        ["n003", "n004", "n005"],
+    ),
+)  # < 1 core per rank
 
 
 def slurm_mapping(fn) -> None:
@@ -177,12 +262,24 @@ def slurm_mapping(fn) -> None:
         got = attempt(ex, fn, dict(slurm), list(hosts))
         require(isinstance(got, dict), ex, f"return a dict of options, not {type(got).__name__}")
         job = f"the {slurm['SLURM_NNODES']}-node job {slurm['SLURM_JOB_ID']}"
-        for key in ("--nnodes", "--nproc-per-node", "--rdzv-id", "--rdzv-endpoint", "OMP_NUM_THREADS"):
+        for key in (
+            "--nnodes",
+            "--nproc-per-node",
+            "--rdzv-id",
+            "--rdzv-endpoint",
+            "OMP_NUM_THREADS",
+        ):
             require(key in got, ex, f"{job}: your dict has no {key!r}")
-            require(str(got[key]) == truth[key], ex,
-                    f"{job}: ddp.sbatch gives {key} {truth[key]}, you gave {got[key]}: read the script's "
-                    f"line that sets it from the SLURM variables (not the values of the example above)")
-    passed(ex, "your mapping gives ddp.sbatch's torchrun options and OMP_NUM_THREADS for a 2-node and a 3-node job")
+            require(
+                str(got[key]) == truth[key],
+                ex,
+                f"{job}: ddp.sbatch gives {key} {truth[key]}, you gave {got[key]}: read the script's "
+                f"line that sets it from the SLURM variables (not the values of the example above)",
+            )
+    passed(
+        ex,
+        "your mapping gives ddp.sbatch's torchrun options and OMP_NUM_THREADS for a 2-node and a 3-node job",
+    )
 
 
 def agent_store(predicted: dict) -> None:
@@ -196,44 +293,88 @@ def agent_store(predicted: dict) -> None:
     """
     import importlib
 
-    from .. import runlog, scale
+    from mgtutorial.runtime import runlog
+    from mgtutorial.scale import torchrun as scale
 
     ex = "05a.4 who hosts the store"
     for mode in ("default", "disabled"):
         guess = predicted.get(mode) or {}
-        require(guess.get("TORCHELASTIC_USE_AGENT_STORE", ...) is not ..., ex,  # None is an answer: unset
-                f"`predicted[{mode!r}]['TORCHELASTIC_USE_AGENT_STORE']` is still `...`: replace it with "
-                f"the string rank 1 sees (None if you think it is unset)")
+        require(
+            guess.get("TORCHELASTIC_USE_AGENT_STORE", ...) is not ...,
+            ex,  # None is an answer: unset
+            f"`predicted[{mode!r}]['TORCHELASTIC_USE_AGENT_STORE']` is still `...`: replace it with "
+            f"the string rank 1 sees (None if you think it is unset)",
+        )
         answered(guess.get("store host", ...), ex, f"predicted[{mode!r}]['store host']")
     runs = Path("runs/exercises").resolve()
     for mode in ("default", "disabled"):
         shutil.rmtree(runs / f"ex05a-store-{mode}", ignore_errors=True)
     extra = {"default": {}, "disabled": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
-    with contextlib.ExitStack() as stack:  # both jobs run at once; leaving stops every agent of both
-        jobs = {mode: stack.enter_context(scale.simulated_nodes(
-            ["hello", "--backend", "gloo", "--runs-dir", str(runs), "--run-name", f"ex05a-store-{mode}"],
-            log_dir=runs / f"ex05a-store-{mode}-agents", extra_env=env)) for mode, env in extra.items()}
+    with (
+        contextlib.ExitStack() as stack
+    ):  # both jobs run at once; leaving stops every agent of both
+        jobs = {
+            mode: stack.enter_context(
+                scale.simulated_nodes(
+                    [
+                        "hello",
+                        "--backend",
+                        "gloo",
+                        "--runs-dir",
+                        str(runs),
+                        "--run-name",
+                        f"ex05a-store-{mode}",
+                    ],
+                    log_dir=runs / f"ex05a-store-{mode}-agents",
+                    extra_env=env,
+                )
+            )
+            for mode, env in extra.items()
+        }
         try:
             codes = {mode: agents.wait(timeout=90) for mode, agents in jobs.items()}
         except TimeoutError as e:
-            raise ExerciseError(ex, f"the two-node jobs did not finish within 90 s ({e}): the machine may be "
-                                    f"busy, run the checker again; the agents' logs are in {runs}") from e
+            raise ExerciseError(
+                ex,
+                f"the two-node jobs did not finish within 90 s ({e}): the machine may be "
+                f"busy, run the checker again; the agents' logs are in {runs}",
+            ) from e
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     for mode, agents in jobs.items():
-        require(codes[mode] == [0, 0], ex, f"the {mode} job failed (exit codes {codes[mode]}): see {agents.log_dir}")
-        rec = next(r for r in runlog.read_run(runs / f"ex05a-store-{mode}") if r["kind"] == "hello" and r["rank"] == 1)
+        require(
+            codes[mode] == [0, 0],
+            ex,
+            f"the {mode} job failed (exit codes {codes[mode]}): see {agents.log_dir}",
+        )
+        rec = next(
+            r
+            for r in runlog.read_run(runs / f"ex05a-store-{mode}")
+            if r["kind"] == "hello" and r["rank"] == 1
+        )
         seen = rec["env"]["TORCHELASTIC_USE_AGENT_STORE"]
         with mock.patch.dict(os.environ):  # torch's rule, applied to what rank 1 saw
             for k, v in rec["env"].items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-            host = "agent" if rdzv._agent_store_serves(rec["env"]["MASTER_ADDR"], rec["env"]["MASTER_PORT"]) else "rank 0"
+            host = (
+                "agent"
+                if rdzv._agent_store_serves(rec["env"]["MASTER_ADDR"], rec["env"]["MASTER_PORT"])
+                else "rank 0"
+            )
         guess, shown = predicted[mode], {None: "unset"}  # the variable's value, None: not set
         value = guess["TORCHELASTIC_USE_AGENT_STORE"]
-        require((value is None) == (seen is None) and str(value) == str(seen), ex,
-                f"{mode}: rank 1 saw TORCHELASTIC_USE_AGENT_STORE {shown.get(seen, f'= {seen}')}, not "
-                f"{shown.get(value, f'= {value}')}: read the rendezvous handler's use_agent_store (dynamic_rendezvous)")
-        require(guess["store host"] == host, ex,
-                f"{mode}: the store at MASTER_ADDR:MASTER_PORT is hosted by the {host}, not the {guess['store host']}: "
-                f"read torch.distributed.rendezvous._create_c10d_store")
-    passed(ex, "by default the agent hosts the store (True); with the sharing disabled rank 0 does (False)")
-
+        require(
+            (value is None) == (seen is None) and str(value) == str(seen),
+            ex,
+            f"{mode}: rank 1 saw TORCHELASTIC_USE_AGENT_STORE {shown.get(seen, f'= {seen}')}, not "
+            f"{shown.get(value, f'= {value}')}: read the rendezvous handler's use_agent_store (dynamic_rendezvous)",
+        )
+        require(
+            guess["store host"] == host,
+            ex,
+            f"{mode}: the store at MASTER_ADDR:MASTER_PORT is hosted by the {host}, not the {guess['store host']}: "
+            f"read torch.distributed.rendezvous._create_c10d_store",
+        )
+    passed(
+        ex,
+        "by default the agent hosts the store (True); with the sharing disabled rank 0 does (False)",
+    )

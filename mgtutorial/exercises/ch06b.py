@@ -19,14 +19,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import model_parallel as MP
-from .. import env, runlog
-from ..models import ArticleMLP, count_parameters
-from ..timeline import ActivationMeter
-from ._common import ExerciseError, RankFailed, answered, attempt, close, function_from, passed, require, run_ranks
-
+from mgtutorial.common.models import ArticleMLP, count_parameters
+from mgtutorial.exercises._common import (
+    ExerciseError,
+    RankFailed,
+    answered,
+    attempt,
+    close,
+    function_from,
+    passed,
+    require,
+    run_ranks,
+)
+from mgtutorial.pipeline import naive as MP
+from mgtutorial.pipeline.timeline import ActivationMeter
+from mgtutorial.runtime import env, runlog
 
 # --- 06b.1: the copies, brought together ---------------------------------------------------------
+
 
 @dataclass(kw_only=True)
 class SyncConfig:
@@ -69,31 +79,50 @@ def copies_together(path: str = "ex06b_sync.py", steps: int = 4) -> None:
     """
     ex = "06b.1 copies together"
     function_from(path, "sync_gradients", ex)
-    result = run_ranks(ex, sync_worker, SyncConfig(path=str(Path(path).resolve()), steps=steps), 2,
-                       name="article-sync")
+    result = run_ranks(
+        ex,
+        sync_worker,
+        SyncConfig(path=str(Path(path).resolve()), steps=steps),
+        2,
+        name="article-sync",
+    )
     records = runlog.read_run(result.run_dir)
     start = {r["rank"]: r["checksum"] for r in runlog.of_kind(records, "article_start")}
-    require(start[0] == start[1], ex, "the copies start from different weights: keep the seed as it is")
+    require(
+        start[0] == start[1], ex, "the copies start from different weights: keep the seed as it is"
+    )
     sums = {(r["rank"], r["step"]): r["checksum"] for r in runlog.of_kind(records, "article")}
     for step in range(1, steps + 1):
         a, b = sums[0, step], sums[1, step]
-        require(close(a, b, rel=1e-9), ex,
-                f"after step {step} the copies' checksums differ ({a:.6f} on rank 0, {b:.6f} on rank 1): "
-                "each copy stepped with its own gradients; all-reduce every p.grad and divide by the world size")
+        require(
+            close(a, b, rel=1e-9),
+            ex,
+            f"after step {step} the copies' checksums differ ({a:.6f} on rank 0, {b:.6f} on rank 1): "
+            "each copy stepped with its own gradients; all-reduce every p.grad and divide by the world size",
+        )
     # on the CPU, whichever device the ranks trained on (NCCL saves CUDA tensors); the reference is a
     # CPU model, so the comparison has a tolerance
     final = torch.load(result.run_dir / "rank0-model.pt", map_location="cpu", weights_only=True)
     art = MP.ArticleConfig(steps=steps)
     if not _close_dicts(final, MP.combined_batch_reference(art, 2)):
         if _close_dicts(final, MP.combined_batch_reference(art, 1)):  # rank 0's batches alone
-            raise ExerciseError(ex, "the copies stay equal, but they follow rank 0's gradients alone (a broadcast?): "
-                                    "use the mean of both ranks' gradients, not one rank's (all-reduce, then "
-                                    "divide by ctx.world_size)")
-        raise ExerciseError(ex, "the copies stay equal, but differ from one model trained on both ranks' "
-                                "batches at once: did you divide the all-reduced gradients by ctx.world_size? "
-                                "(a sum of 2 gradients is a step twice as large)")
-    passed(ex, f"both copies start equal, stay equal for {steps} steps, and end equal to one model "
-               "trained on both ranks' batches")
+            raise ExerciseError(
+                ex,
+                "the copies stay equal, but they follow rank 0's gradients alone (a broadcast?): "
+                "use the mean of both ranks' gradients, not one rank's (all-reduce, then "
+                "divide by ctx.world_size)",
+            )
+        raise ExerciseError(
+            ex,
+            "the copies stay equal, but differ from one model trained on both ranks' "
+            "batches at once: did you divide the all-reduced gradients by ctx.world_size? "
+            "(a sum of 2 gradients is a step twice as large)",
+        )
+    passed(
+        ex,
+        f"both copies start equal, stay equal for {steps} steps, and end equal to one model "
+        "trained on both ranks' batches",
+    )
 
 
 def _close_dicts(got: dict, want: dict) -> bool:
@@ -128,25 +157,40 @@ def retained_bytes(predicted: dict) -> None:
     with ``retain_graph=True`` of ``ArticleMLP(sizes=(2048, 256, 10))`` at batch size B (B = 1, 256);
     the checker measures each."""
     ex = "06b.2 retained bytes"
-    require(isinstance(predicted, dict), ex, f"`predicted` is a {type(predicted).__name__}, not a dict: make it a dict "
-                                             "{1: bytes, 256: bytes}, batch size → number of bytes")
+    require(
+        isinstance(predicted, dict),
+        ex,
+        f"`predicted` is a {type(predicted).__name__}, not a dict: make it a dict "
+        "{1: bytes, 256: bytes}, batch size → number of bytes",
+    )
     floats = " + ".join(map(str, SIZES))
     for b in (1, 256):
         guess = answered(predicted.get(b), ex, f"predicted[{b}]")
-        require(isinstance(guess, int) and not isinstance(guess, bool), ex,
-                f"predicted[{b}] is {guess!r} ({type(guess).__name__}): give a whole number of bytes (an int"
-                + (f", e.g. int({guess!r})" if isinstance(guess, float) and guess.is_integer() else "") + ")")
+        require(
+            isinstance(guess, int) and not isinstance(guess, bool),
+            ex,
+            f"predicted[{b}] is {guess!r} ({type(guess).__name__}): give a whole number of bytes (an int"
+            + (f", e.g. int({guess!r})" if isinstance(guess, float) and guess.is_integer() else "")
+            + ")",
+        )
         got = alive_after_step(True, b)
-        require(guess == got, ex,
-                f"at batch {b} the meter measures {got:,} bytes alive after the step, you predicted "
-                f"{guess:,}: count B × ({floats}) float32 values (each layer's input and the log-softmax "
-                "of the logits, 4 bytes each), B int64 targets (8 bytes) and the loss's 4-byte scalar")
+        require(
+            guess == got,
+            ex,
+            f"at batch {b} the meter measures {got:,} bytes alive after the step, you predicted "
+            f"{guess:,}: count B × ({floats}) float32 values (each layer's input and the log-softmax "
+            "of the logits, 4 bytes each), B int64 targets (8 bytes) and the loss's 4-byte scalar",
+        )
     require(alive_after_step(False, 256) == 0, ex, "a plain backward() left activations alive")
-    passed(ex, f"the bytes retain_graph=True keeps alive in ArticleMLP(sizes={SIZES}) at batch 1 and 256 are as "
-               "predicted (and 0 without it)")
+    passed(
+        ex,
+        f"the bytes retain_graph=True keeps alive in ArticleMLP(sizes={SIZES}) at batch 1 and 256 are as "
+        "predicted (and 0 without it)",
+    )
 
 
 # --- 06b.3: stages that add up to one model ------------------------------------------------------
+
 
 def _best_largest(sizes: list[int], num_stages: int) -> int:
     """The smallest possible largest stage when consecutive blocks of ``sizes`` form ``num_stages`` stages."""
@@ -170,45 +214,73 @@ def stage_split(split_stages) -> None:
     for n in (1, 2, 3):
         model = ArticleMLP()
         stages = list(attempt(ex, split_stages, model, n))
-        require(len(stages) == n, ex, f"split_stages(model, {n}) returned {len(stages)} stages, not {n}")
+        require(
+            len(stages) == n, ex, f"split_stages(model, {n}) returned {len(stages)} stages, not {n}"
+        )
         for i, s in enumerate(stages):
-            require(isinstance(s, nn.Module) and not isinstance(s, nn.ModuleList), ex,
-                    f"with {n} stage{'s' * (n > 1)}, stage {i} is of type {type(s).__name__}: each stage must be one "
-                    "callable module; "
-                    "a slice of model.subnets is a ModuleList, which has no forward: wrap it, "
-                    "nn.Sequential(*model.subnets[a:b])")
+            require(
+                isinstance(s, nn.Module) and not isinstance(s, nn.ModuleList),
+                ex,
+                f"with {n} stage{'s' * (n > 1)}, stage {i} is of type {type(s).__name__}: each stage must be one "
+                "callable module; "
+                "a slice of model.subnets is a ModuleList, which has no forward: wrap it, "
+                "nn.Sequential(*model.subnets[a:b])",
+            )
         counts = [count_parameters(s) for s in stages]
         whole = count_parameters(model)
-        require(sum(counts) == whole, ex,
-                f"your {n} stages hold {sum(counts):,} parameters together, the model {whole:,}"
-                + (": every stage is the whole model (the article's flaw 2.1); give each stage its own "
-                   "consecutive sub-networks, nn.Sequential(*model.subnets[a:b])" if counts == [whole] * n else
-                   ": every parameter belongs to exactly one stage"))
+        require(
+            sum(counts) == whole,
+            ex,
+            f"your {n} stages hold {sum(counts):,} parameters together, the model {whole:,}"
+            + (
+                ": every stage is the whole model (the article's flaw 2.1); give each stage its own "
+                "consecutive sub-networks, nn.Sequential(*model.subnets[a:b])"
+                if counts == [whole] * n
+                else ": every parameter belongs to exactly one stage"
+            ),
+        )
         owned = [id(p) for s in stages for p in s.parameters()]
-        require(sorted(owned) == sorted(id(p) for p in model.parameters()), ex,
-                "the stages hold new parameters: reuse the model's sub-networks, do not build new layers")
+        require(
+            sorted(owned) == sorted(id(p) for p in model.parameters()),
+            ex,
+            "the stages hold new parameters: reuse the model's sub-networks, do not build new layers",
+        )
         x = torch.randn(3, model.sizes[0])
         h = x
         for i, s in enumerate(stages):
             try:
                 h = s(h)
             except Exception as e:
-                raise ExerciseError(ex, f"with {n} stage{'s' * (n > 1)}, stage {i} ({type(s).__name__}) raised "
-                                        f"{type(e).__name__} when called: each stage must be one callable module, e.g. "
-                                        "nn.Sequential(*model.subnets[a:b])") from e
-        require(torch.equal(h, model(x)), ex, f"with {n} stages, the stages applied in order do not compute "
-                                              "the model's output: keep the sub-networks in their order")
+                raise ExerciseError(
+                    ex,
+                    f"with {n} stage{'s' * (n > 1)}, stage {i} ({type(s).__name__}) raised "
+                    f"{type(e).__name__} when called: each stage must be one callable module, e.g. "
+                    "nn.Sequential(*model.subnets[a:b])",
+                ) from e
+        require(
+            torch.equal(h, model(x)),
+            ex,
+            f"with {n} stages, the stages applied in order do not compute "
+            "the model's output: keep the sub-networks in their order",
+        )
         sizes = [count_parameters(s) for s in model.subnets]
         best = _best_largest(sizes, n)
-        require(max(counts) == best, ex,
-                f"with {n} stages the largest holds {max(counts):,} parameters {counts}, but a split of "
-                f"consecutive sub-networks can keep every stage at {best:,} or less: balance the "
-                "parameters, not the number of sub-networks")
-    passed(ex, "1, 2 and 3 stages hold every parameter once, compute the model's output, and the "
-               "largest stage is as small as it can be")
+        require(
+            max(counts) == best,
+            ex,
+            f"with {n} stages the largest holds {max(counts):,} parameters {counts}, but a split of "
+            f"consecutive sub-networks can keep every stage at {best:,} or less: balance the "
+            "parameters, not the number of sub-networks",
+        )
+    passed(
+        ex,
+        "1, 2 and 3 stages hold every parameter once, compute the model's output, and the "
+        "largest stage is as small as it can be",
+    )
 
 
 # --- 06b.4: the world a process group is told, on two nodes --------------------------------------
+
 
 @dataclass(kw_only=True)
 class WorldConfig:
@@ -228,12 +300,22 @@ def world_worker(cfg: WorldConfig) -> dict:
     ``mp.Process(args=(i, …))``); logs ``kind="world_claim"`` before joining and returns the claim
     with the group's ``group_rank``/``group_world_size`` once a barrier has passed."""
     node, part = divmod(env.rank(), cfg.subnets)
-    os.environ.update(LOCAL_RANK=str(part), LOCAL_WORLD_SIZE=str(cfg.subnets))  # as on a node of its own
+    os.environ.update(
+        LOCAL_RANK=str(part), LOCAL_WORLD_SIZE=str(cfg.subnets)
+    )  # as on a node of its own
     claim = dict(function_from(cfg.path, "join")(part))
-    runlog.RunLog().write(kind="world_claim", node=node, part=part,
-                          **{k: claim.get(k) for k in ("world_size", "rank", "stage")})
-    dist.init_process_group("gloo", rank=int(claim["rank"]), world_size=int(claim["world_size"]),
-                            timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    runlog.RunLog().write(
+        kind="world_claim",
+        node=node,
+        part=part,
+        **{k: claim.get(k) for k in ("world_size", "rank", "stage")},
+    )
+    dist.init_process_group(
+        "gloo",
+        rank=int(claim["rank"]),
+        world_size=int(claim["world_size"]),
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+    )
     try:
         dist.barrier()
         return {**claim, "group_rank": dist.get_rank(), "group_world_size": dist.get_world_size()}
@@ -256,32 +338,59 @@ def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -
     cfg = WorldConfig(path=str(Path(path).resolve()), subnets=subnets)
     with tempfile.TemporaryDirectory(prefix="ex06b-") as runs:
         try:
-            values = run_ranks(ex, world_worker, cfg, nprocs, timeout_s=60, runs_dir=runs, name="world").values
+            values = run_ranks(
+                ex, world_worker, cfg, nprocs, timeout_s=60, runs_dir=runs, name="world"
+            ).values
         except RankFailed as failed:
-            claims = sorted((r["node"], r["part"], r["world_size"], r["rank"]) for d in Path(runs).glob("world-*")
-                            for r in runlog.of_kind(runlog.read_run(d), "world_claim"))
+            claims = sorted(
+                (r["node"], r["part"], r["world_size"], r["rank"])
+                for d in Path(runs).glob("world-*")
+                for r in runlog.of_kind(runlog.read_run(d), "world_claim")
+            )
             if len(claims) < nprocs:  # join itself failed in a rank
                 raise
             worlds = sorted({c[2] for c in claims})
-            require(worlds == [nprocs], ex,
-                    f"the {nprocs} processes ({nodes} nodes × {subnets} sub-networks) told the group a world of "
-                    f"{', '.join(map(str, worlds))} and waited for ranks that never came: the world is the "
-                    "processes actually started, not num_gpus × subnets (the article's flaw 2.2); read "
-                    "WORLD_SIZE (env.world_size())")
-            require(sorted(r for *_, r in claims) != list(range(nprocs)), ex,
-                    f"every rank claimed a correct rank (0 … {nprocs - 1}, once each, in a world of {nprocs}); the "
-                    f"machine was too busy to meet the {cfg.timeout_s:g} s timeout: run the checker again")
+            require(
+                worlds == [nprocs],
+                ex,
+                f"the {nprocs} processes ({nodes} nodes × {subnets} sub-networks) told the group a world of "
+                f"{', '.join(map(str, worlds))} and waited for ranks that never came: the world is the "
+                "processes actually started, not num_gpus × subnets (the article's flaw 2.2); read "
+                "WORLD_SIZE (env.world_size())",
+            )
+            require(
+                sorted(r for *_, r in claims) != list(range(nprocs)),
+                ex,
+                f"every rank claimed a correct rank (0 … {nprocs - 1}, once each, in a world of {nprocs}); the "
+                f"machine was too busy to meet the {cfg.timeout_s:g} s timeout: run the checker again",
+            )
             shown = ", ".join(f"node {n} part {p} → {r}" for n, p, _, r in claims)
-            why = (": rank = part, the sub-network index, repeats node 0's ranks on node 1"
-                   if all(p == r for _, p, _, r in claims) else "")
-            raise ExerciseError(ex, f"the processes claimed ranks {shown}, and the group failed ({failed.exc_type}): "
-                                    f"ranks must be 0 … {nprocs - 1}, once each{why}; read RANK (env.rank())") from None
+            why = (
+                ": rank = part, the sub-network index, repeats node 0's ranks on node 1"
+                if all(p == r for _, p, _, r in claims)
+                else ""
+            )
+            raise ExerciseError(
+                ex,
+                f"the processes claimed ranks {shown}, and the group failed ({failed.exc_type}): "
+                f"ranks must be 0 … {nprocs - 1}, once each{why}; read RANK (env.rank())",
+            ) from None
     for rank, v in sorted(values.items()):
         node, part = divmod(rank, subnets)
-        require(v["rank"] == rank, ex, f"the process started as rank {rank} (node {node}, part {part}) claimed "
-                                       f"rank {v['rank']}: read RANK (env.rank()) rather than computing it")
-        require(v["stage"] == rank % subnets, ex,
-                f"rank {rank} (node {node}) runs stage {v['stage']}, but there are only {subnets} sub-networks: "
-                "node 1 runs the same three as node 0, so stage = rank % subnets, a separate number from the rank")
-    passed(ex, f"{nprocs} processes on {nodes} simulated nodes joined a world of {nprocs} as ranks 0 … "
-               f"{nprocs - 1}, running stages {', '.join(str(v['stage']) for _, v in sorted(values.items()))}")
+        require(
+            v["rank"] == rank,
+            ex,
+            f"the process started as rank {rank} (node {node}, part {part}) claimed "
+            f"rank {v['rank']}: read RANK (env.rank()) rather than computing it",
+        )
+        require(
+            v["stage"] == rank % subnets,
+            ex,
+            f"rank {rank} (node {node}) runs stage {v['stage']}, but there are only {subnets} sub-networks: "
+            "node 1 runs the same three as node 0, so stage = rank % subnets, a separate number from the rank",
+        )
+    passed(
+        ex,
+        f"{nprocs} processes on {nodes} simulated nodes joined a world of {nprocs} as ranks 0 … "
+        f"{nprocs - 1}, running stages {', '.join(str(v['stage']) for _, v in sorted(values.items()))}",
+    )

@@ -37,9 +37,13 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 # Lab settings a learner would click away; here they would only cover the screenshots.
-LAB_SETTINGS = {"@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"}}
+LAB_SETTINGS = {
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"}
+}
 
-os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")  # never fetch Playwright's own browser
+os.environ.setdefault(
+    "PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1"
+)  # never fetch Playwright's own browser
 _artifacts_written: list[Path] = []
 
 
@@ -68,7 +72,9 @@ class ProcessRecorder(threading.Thread):
             try:
                 key = (p.pid, p.create_time())
                 self.seen.setdefault(key, p)
-                cmdline = " ".join(p.cmdline())  # read again: exec() changes it; a zombie's is empty
+                cmdline = " ".join(
+                    p.cmdline()
+                )  # read again: exec() changes it; a zombie's is empty
                 if cmdline:
                     self.cmdlines[key] = cmdline
                 else:
@@ -93,7 +99,9 @@ class ProcessRecorder(threading.Thread):
             left = []
             for key, p in self.seen.items():
                 try:
-                    if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:  # is_running checks start time
+                    if (
+                        p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                    ):  # is_running checks start time
                         left.append((p, self.cmdlines[key]))
                 except psutil.Error:
                     pass
@@ -115,8 +123,16 @@ class JupyterLab:
         self.left: list[tuple[psutil.Process, str]] | None = None
 
     def _environment(self) -> dict:
-        dirs = {name: self.base / name.lower() for name in
-                ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "IPYTHONDIR", "MPLCONFIGDIR")}
+        dirs = {
+            name: self.base / name.lower()
+            for name in (
+                "JUPYTER_CONFIG_DIR",
+                "JUPYTER_DATA_DIR",
+                "JUPYTER_RUNTIME_DIR",
+                "IPYTHONDIR",
+                "MPLCONFIGDIR",
+            )
+        }
         for d in dirs.values():
             d.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "PYTEST_"))}
@@ -137,7 +153,10 @@ class JupyterLab:
 
     def start(self, timeout_s: float = 60) -> None:
         cmd = [
-            sys.executable, "-m", "jupyter", "lab",
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
             "--no-browser",
             "--ServerApp.ip=127.0.0.1",
             f"--ServerApp.port={self.port}",
@@ -152,26 +171,37 @@ class JupyterLab:
         if os.geteuid() == 0:
             cmd.append("--allow-root")
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=self.notebook_dir, env=self._environment(),
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=self.notebook_dir,
+                env=self._environment(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.recorder = ProcessRecorder(psutil.Process(self.proc.pid))
         self.recorder.start()
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"JupyterLab exited with code {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"JupyterLab exited with code {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 self.api("GET", "/api/status", timeout=2)
                 return
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"JupyterLab did not answer within {timeout_s} s:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"JupyterLab did not answer within {timeout_s} s:\n{self.log_tail()}"
+                )
             time.sleep(0.3)
 
     def api(self, method: str, path: str, timeout: float = 10):
-        req = urllib.request.Request(self.url + path, method=method,
-                                     headers={"Authorization": f"token {self.token}"})
+        req = urllib.request.Request(
+            self.url + path, method=method, headers={"Authorization": f"token {self.token}"}
+        )
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read()
         return json.loads(body) if body else None
@@ -214,8 +244,10 @@ def chromium() -> dict:
     """Playwright's launch options for Debian's Chromium (never a browser Playwright downloads);
     the test is skipped, with this reason, where it is not installed."""
     if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"{CHROMIUM} is not installed (as root with apt-get, `make test` installs Debian's "
-                    "`chromium`; otherwise: apt-get install --no-install-recommends chromium)")
+        pytest.skip(
+            f"{CHROMIUM} is not installed (as root with apt-get, `make test` installs Debian's "
+            "`chromium`; otherwise: apt-get install --no-install-recommends chromium)"
+        )
     return {"executable_path": str(CHROMIUM), "headless": True, "args": CHROMIUM_ARGS}
 
 
@@ -238,7 +270,9 @@ def lab(tmp_path, artifacts):
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
         shutil.copy2(nb, notebook_dir / nb.name)
     # the chapters read scripts/ beside notebooks/ (chapter 02 prints and runs scripts/minimal_ddp.py)
-    shutil.copytree(ROOT / "scripts", tmp_path / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "scripts", tmp_path / "scripts", ignore=shutil.ignore_patterns("__pycache__")
+    )
     server = JupyterLab(tmp_path, notebook_dir)
     try:
         server.start()

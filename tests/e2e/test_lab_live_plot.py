@@ -60,7 +60,9 @@ COUNT_LIVE_IMAGES = """
 })();
 """
 
-LIVE_COUNT = "() => ({distinct: window.__e2eLivePlot.hashes.size, events: window.__e2eLivePlot.events})"
+LIVE_COUNT = (
+    "() => ({distinct: window.__e2eLivePlot.hashes.size, events: window.__e2eLivePlot.events})"
+)
 
 # The open notebook's state as a learner sees it: prompts, errors, and the training cell's output.
 NOTEBOOK_STATE = """
@@ -98,13 +100,17 @@ def _numbered(prompt: str) -> bool:
     return re.fullmatch(r"\[\d+\]:?", prompt) is not None
 
 
-def _shot(page, folder: Path, name: str, where: str = "[data-e2e=train]", block: str = "center") -> None:
+def _shot(
+    page, folder: Path, name: str, where: str = "[data-e2e=train]", block: str = "center"
+) -> None:
     """Screenshot of the page with the element ``where`` (a CSS selector) scrolled into view.
 
     Lab lays out cells outside the view lazily (CSS content-visibility), so the first scroll lands
     on estimated heights: scroll, let the layout settle, scroll again."""
     for _ in range(2):
-        page.evaluate("([sel, block]) => document.querySelector(sel)?.scrollIntoView({block})", [where, block])
+        page.evaluate(
+            "([sel, block]) => document.querySelector(sel)?.scrollIntoView({block})", [where, block]
+        )
         page.wait_for_timeout(400)
     page.screenshot(path=str(folder / name))
 
@@ -122,13 +128,16 @@ def _open_notebook(page, lab) -> None:
             dialog.first.click()
         status = page.evaluate(
             "() => { const w = window.jupyterapp.shell.currentWidget;"
-            " return w && w.sessionContext ? (w.sessionContext.session?.kernel?.status || 'none') : null; }")
+            " return w && w.sessionContext ? (w.sessionContext.session?.kernel?.status || 'none') : null; }"
+        )
         if status == "idle":
             return
         if time.monotonic() > deadline:
             dialogs = page.locator(".jp-Dialog").all_inner_texts()
-            raise AssertionError(f"{NOTEBOOK} did not get an idle kernel in 60 s (status {status}, "
-                                 f"dialogs {dialogs}):\n{lab.log_tail()}")
+            raise AssertionError(
+                f"{NOTEBOOK} did not get an idle kernel in 60 s (status {status}, "
+                f"dialogs {dialogs}):\n{lab.log_tail()}"
+            )
         time.sleep(0.25)
 
 
@@ -142,7 +151,9 @@ def _run_all_and_wait(page, folder: Path, n_code: int) -> dict:
     deadline = start + NOTEBOOK_DEADLINE_S
     shots, done_since, stalled_since, first_live_s = set(), None, None, None
     early_texts: list[str] = []  # the training cell's output before a live image showed, if ever
-    finished: dict[int, float] = {}  # code cell index -> seconds after "run all" when first seen numbered
+    finished: dict[
+        int, float
+    ] = {}  # code cell index -> seconds after "run all" when first seen numbered
     while True:
         state = page.evaluate(NOTEBOOK_STATE, TRAIN_CELL_MARK)
         live = page.evaluate(LIVE_COUNT)
@@ -160,13 +171,20 @@ def _run_all_and_wait(page, folder: Path, n_code: int) -> dict:
             _shot(page, folder, "02-live-plot-after-updates.png")
             shots.add("later")
         prompts = state["prompts"]
-        assert len(prompts) == n_code, f"{len(prompts)} code cells on the page, {n_code} in the file"
+        assert len(prompts) == n_code, (
+            f"{len(prompts)} code cells on the page, {n_code} in the file"
+        )
         running = any("*" in p for p in prompts)
         if not running and all(_numbered(p) for p in prompts):
             done_since = done_since or time.monotonic()
             if time.monotonic() - done_since >= 1.0:  # seen done twice in a row, a second apart
-                state.update(live=live, shots=shots, finished=finished, first_live_s=first_live_s,
-                             early_texts=early_texts)
+                state.update(
+                    live=live,
+                    shots=shots,
+                    finished=finished,
+                    first_live_s=first_live_s,
+                    early_texts=early_texts,
+                )
                 return state
         else:
             done_since = None
@@ -174,25 +192,39 @@ def _run_all_and_wait(page, folder: Path, n_code: int) -> dict:
         if not running and state["tracebacks"] and any(_numbered(p) for p in prompts):
             stalled_since = stalled_since or time.monotonic()
             if time.monotonic() - stalled_since > 5:
-                _shot(page, folder, "99-error.png", f".jp-OutputArea-output[data-mime-type='{STDERR}']")
-                raise AssertionError(f"a cell failed; prompts {prompts}:\n" + "\n".join(state["tracebacks"]))
+                _shot(
+                    page,
+                    folder,
+                    "99-error.png",
+                    f".jp-OutputArea-output[data-mime-type='{STDERR}']",
+                )
+                raise AssertionError(
+                    f"a cell failed; prompts {prompts}:\n" + "\n".join(state["tracebacks"])
+                )
         if time.monotonic() > deadline:
             _shot(page, folder, "99-timeout.png", "[data-e2e-running]")
-            raise AssertionError(f"the notebook did not finish in {NOTEBOOK_DEADLINE_S} s; prompts {prompts}, "
-                                 f"kernel {state['kernel']}")
+            raise AssertionError(
+                f"the notebook did not finish in {NOTEBOOK_DEADLINE_S} s; prompts {prompts}, "
+                f"kernel {state['kernel']}"
+            )
         time.sleep(0.5)
 
 
 def _training_run(notebook_dir: Path) -> Path:
-    runs = sorted((d for d in (notebook_dir / "runs").iterdir() if RUN_DIR.match(d.name)),
-                  key=lambda d: d.stat().st_mtime)
+    runs = sorted(
+        (d for d in (notebook_dir / "runs").iterdir() if RUN_DIR.match(d.name)),
+        key=lambda d: d.stat().st_mtime,
+    )
     assert runs, f"no runs/ddp-<time>-<id> directory in {notebook_dir / 'runs'}"
     return runs[-1]
 
 
 def test_chapter_02_live_plot_in_jupyterlab(chromium, lab, artifacts):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed "
-                                   "(pip install -e '.[e2e]'; `make test` does it)")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api",
+        reason="Playwright for Python is not installed "
+        "(pip install -e '.[e2e]'; `make test` does it)",
+    )
     nb_file = lab.notebook_dir / NOTEBOOK
     n_code = sum(c["cell_type"] == "code" for c in json.loads(nb_file.read_text())["cells"])
     started = time.monotonic()
@@ -217,16 +249,26 @@ def test_chapter_02_live_plot_in_jupyterlab(chromium, lab, artifacts):
 
     live, train = state["live"], state["train"]
     done = state["finished"]
-    durations = {i: t - max([done[j] for j in done if done[j] < t] or [0.0]) for i, t in done.items()}
-    slowest = ", ".join(f"cell {i + 1}: {d:.0f} s" for i, d in sorted(durations.items(), key=lambda x: -x[1])[:3])
-    print(f"\nJupyterLab open in {opened - started:.0f} s; notebook ran in {ran - opened:.0f} s "
-          f"(slowest code cells: {slowest}); first live image after {state['first_live_s'] or 0:.0f} s")
+    durations = {
+        i: t - max([done[j] for j in done if done[j] < t] or [0.0]) for i, t in done.items()
+    }
+    slowest = ", ".join(
+        f"cell {i + 1}: {d:.0f} s" for i, d in sorted(durations.items(), key=lambda x: -x[1])[:3]
+    )
+    print(
+        f"\nJupyterLab open in {opened - started:.0f} s; notebook ran in {ran - opened:.0f} s "
+        f"(slowest code cells: {slowest}); first live image after {state['first_live_s'] or 0:.0f} s"
+    )
     print(f"live plot: {live['distinct']} distinct images in {live['events']} image updates")
-    print(f"JupyterLab started {len(lab.recorder.seen)} processes; left after shutdown: {len(left)}")
+    print(
+        f"JupyterLab started {len(lab.recorder.seen)} processes; left after shutdown: {len(left)}"
+    )
     print(f"screenshots: {artifacts}")
 
-    assert not left, "processes JupyterLab started were still running after shutdown (now killed):\n" + "\n".join(
-        f"  pid {p.pid}: {cmd[:200]}" for p, cmd in left)
+    assert not left, (
+        "processes JupyterLab started were still running after shutdown (now killed):\n"
+        + "\n".join(f"  pid {p.pid}: {cmd[:200]}" for p, cmd in left)
+    )
     # The kernel is this environment's python (cell "torchrun" finds torchrun next to it).
     kernels = [c for c in lab.recorder.cmdlines.values() if "ipykernel_launcher" in c]
     assert kernels, f"no kernel process was seen among {list(lab.recorder.cmdlines.values())}"
@@ -239,13 +281,19 @@ def test_chapter_02_live_plot_in_jupyterlab(chromium, lab, artifacts):
     # The live plot rendered as an image inside the widget, and was redrawn while the ranks trained.
     assert train is not None, f"no code cell contains {TRAIN_CELL_MARK!r}"
     assert "first" in state["shots"], (
-        f"the live widget was never seen showing an image; the cell showed: {state['early_texts']}")
+        f"the live widget was never seen showing an image; the cell showed: {state['early_texts']}"
+    )
     assert live["distinct"] >= MIN_DISTINCT_IMAGES, (
-        f"the live plot showed {live['distinct']} distinct image(s), expected at least {MIN_DISTINCT_IMAGES}")
+        f"the live plot showed {live['distinct']} distinct image(s), expected at least {MIN_DISTINCT_IMAGES}"
+    )
 
     # The final figure replaced the widget in place: one plain PNG, no widget left, no duplicate.
-    assert train["widgets"] == 0 and not train["liveImgs"], "the live widget is still shown after the run"
-    assert len(train["imgs"]) == 1, f"{len(train['imgs'])} images in the training cell's output, expected 1"
+    assert train["widgets"] == 0 and not train["liveImgs"], (
+        "the live widget is still shown after the run"
+    )
+    assert len(train["imgs"]) == 1, (
+        f"{len(train['imgs'])} images in the training cell's output, expected 1"
+    )
     run_dir = _training_run(lab.notebook_dir)
     nprocs = json.loads((run_dir / "config.json").read_text())["nprocs"]
     assert nprocs >= 2 and f"ranks alive 0/{nprocs}" in train["text"], train["text"][-500:]
@@ -253,7 +301,8 @@ def test_chapter_02_live_plot_in_jupyterlab(chromium, lab, artifacts):
     # ... and it is the run's loss.png, drawn from the logs of every rank: a curve per rank.
     png = (run_dir / "loss.png").read_bytes()
     assert train["imgs"][0] == "data:image/png;base64," + base64.b64encode(png).decode(), (
-        f"the final image in the notebook is not {run_dir / 'loss.png'}")
+        f"the final image in the notebook is not {run_dir / 'loss.png'}"
+    )
     for rank in range(nprocs):
         lines = (run_dir / f"rank{rank}.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines if line.strip()]

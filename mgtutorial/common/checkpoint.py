@@ -1,0 +1,111 @@
+"""Checkpoints: the unwrapped model, the optimizer and the progress, written atomically by rank 0.
+
+Taught in notebooks/02_ddp.ipynb (save on rank 0, barrier, load with ``map_location``) and
+notebooks/05b_elastic_and_hangs.ipynb (mid-epoch snapshots for elastic restarts). Follows
+https://pytorch.org/tutorials/intermediate/ddp_tutorial.html#save-and-load-checkpoints and
+https://pytorch.org/docs/stable/generated/torch.load.html (``weights_only``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mgtutorial.common import models
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer,
+    epoch: int,
+    step: int,
+    batch: int = 0,
+    samples: int = 0,
+) -> None:
+    """Write the *unwrapped* model's state_dict, the optimizer's, and progress, atomically.
+
+    ``epoch`` is the number of completed epochs, ``step`` the global step, ``batch`` the batches
+    already done in epoch ``epoch`` (a mid-epoch snapshot; 0 at an epoch end), ``samples`` the
+    samples rank 0 has trained on so far. Saved to
+    ``path.tmp`` then renamed, so a crash never leaves half a file. Call on rank 0 only, then
+    ``barrier`` on every rank.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "model": models.unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "epoch": epoch,
+        "step": step,
+        "batch": batch,
+        "samples": samples,
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _written_by_torch_save(path: Path) -> bool:
+    """torch.save's format: a zip archive holding ``<name>/data.pkl``."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.endswith("/data.pkl") for name in archive.namelist())
+
+
+def check_checkpoint_path(path: str | os.PathLike | None, resume: bool = False) -> None:
+    """Refuse, before any rank starts, a checkpoint setting that would lose something.
+
+    Raises:
+        ValueError: ``resume`` without a ``path``; ``path`` is a folder; or ``path`` exists and is
+            not a file :func:`torch.save` wrote (it would be overwritten by the first save, or fail
+            to load on resume).
+    """
+    if path is None:
+        if resume:
+            raise ValueError(
+                "resume=True needs the file to resume from: set checkpoint (--checkpoint PATH)."
+            )
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"checkpoint={str(path)!r} is a folder: name a file, e.g. runs/ddp.pt.")
+    if path.exists() and not _written_by_torch_save(path):
+        raise ValueError(
+            f"checkpoint={str(path)!r} exists and is not a checkpoint: it would be overwritten. "
+            "Name a new file (e.g. runs/ddp.pt), or delete that one if it is yours to lose."
+        )
+
+
+def load_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer=None, device: torch.device | str = "cpu"
+) -> dict:
+    """Load a :func:`save_checkpoint` file into ``model`` (strict) and ``optimizer``.
+
+    ``map_location=device`` puts tensors on this rank's device; ``weights_only=True`` refuses
+    arbitrary pickled code. Returns the checkpoint dict (``epoch``, ``step``).
+
+    Raises:
+        ValueError: ``path`` is not a file :func:`save_checkpoint` wrote (another format, truncated,
+            or a torch file without ``model``); the message names the file.
+    """
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{path} is not a checkpoint written by save_checkpoint ({first}); "
+            "point checkpoint at the file a previous run saved, or delete it to start afresh."
+        ) from exc
+    if not isinstance(state, dict) or "model" not in state:
+        raise ValueError(f"{path} holds no 'model' entry: it was not written by save_checkpoint.")
+    models.unwrap(model).load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return state

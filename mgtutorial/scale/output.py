@@ -1,0 +1,54 @@
+"""torchrun's output made readable: no paths, process ids or C++ stacks of this machine.
+
+Taught in notebooks/05a_torchrun_multinode.ipynb and notebooks/05b_elastic_and_hangs.ipynb, whose
+cells show what the ranks and the agents of a ``torchrun`` job said (``digest``) and the commands as
+one would type them (``shell``). Re-exported by :mod:`mgtutorial.scale.torchrun`. The agents' log format is
+TorchElastic's (https://pytorch.org/docs/stable/elastic/run.html).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+
+def clean(text: str) -> str:
+    """``text`` without this machine's specifics: the repository's and the home folder's paths,
+    process ids (``pid 123``, ``pid: 123``, ``process 123``), and torchrun's ``of binary: /…/python``."""
+    root = Path(__file__).resolve().parents[2]
+    for path, short_ in ((Path.cwd(), ""), (root, ""), (Path.home(), "~")):
+        text = text.replace(str(path) + os.sep, short_)
+    text = re.sub(r" of binary: \S+", "", text)
+    return re.sub(r"\b(pid:? |process )\d+", r"\1…", text)
+
+
+def shell(cmd: list[str]) -> str:
+    """A command list as one would type it (``torchrun`` instead of the environment's full path)."""
+    return " ".join(["torchrun", *cmd[1:]] if cmd[0].endswith("torchrun") else cmd)
+
+
+def short(message: str) -> str:
+    """``message`` without gloo's source-file prefixes ``[/…/unbound_buffer.cc:78] ``."""
+    return re.sub(r"\[[^\]]*\.cc:\d+\] ", "", message)
+
+
+_AGENT_LINE = re.compile(r"\[?([WEI])\d{4} [\d:.]+ +\d* *\S+\] (.*)")
+
+
+def digest(output: str) -> str:
+    """What a torchrun output says, for a reader: the ranks' prints (``[rank N] …``), their one-line
+    errors, and the agents' one-line messages as ``agent W: …`` (timestamps, pids and file names
+    dropped); tracebacks and C++ stacks are counted, not shown."""
+    keep, dropped = [], 0
+    for line in clean(output).splitlines():
+        agent = _AGENT_LINE.match(line)
+        if line.startswith("[rank ") or re.match(r"\[rank\d+\]: \w+Error", line):
+            keep.append(short(line))
+        elif agent and not agent[2][:1].isspace() and not agent[2].startswith("Traceback"):
+            keep.append(f"agent {agent[1]}: {short(agent[2])}")
+        elif line.strip():
+            dropped += 1
+    return "\n".join(keep) + (
+        f"\n({dropped} more lines: tracebacks and C++ stacks)" if dropped else ""
+    )

@@ -1,0 +1,114 @@
+"""Checkpoints of a sharded (FSDP2) model: a full state dict for one process, and a distributed
+checkpoint (DCP) that every rank writes its shard of and any number of ranks can load.
+
+Taught in notebooks/07_sharding.ipynb. Follows
+https://pytorch.org/docs/stable/distributed.checkpoint.html (``dcp.save`` / ``dcp.load``,
+``get_model_state_dict`` / ``set_model_state_dict``) and
+https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from mgtutorial.sharding import fsdp as F
+from mgtutorial.sharding import zero as S
+
+
+def check_checkpoint(checkpoint_id: str | os.PathLike, state_dict: dict) -> None:
+    """Refuse to load a DCP checkpoint whose tensors do not have the shapes of ``state_dict``.
+
+    Reads only the checkpoint's metadata. Raises ValueError naming the first tensor that is missing
+    or has another shape (global shapes: a checkpoint saved by 2 ranks fits a model on 4).
+    """
+    saved = dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+    for name, t in state_dict.items():
+        if name not in saved:
+            raise ValueError(
+                f"tensor {name!r} of the model is not in checkpoint {Path(checkpoint_id).name!r} "
+                f"(it has {sorted(saved)[:4]}…): was it saved from another model?"
+            )
+        have, want = tuple(saved[name].size), tuple(t.shape)
+        if have != want:
+            raise ValueError(
+                f"tensor {name!r}: the checkpoint holds shape {have}, the model {want}. "
+                "Build the model with the configuration it was saved with (width, blocks)."
+            )
+
+
+def full_state_dict(model) -> dict:
+    """The whole model's state dict, gathered to rank 0 on CPU (other ranks get ``{}``)."""
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+
+def load_dcp(model, checkpoint_id: str | os.PathLike) -> None:
+    """Load a DCP checkpoint into ``model``: sharded (inside a process group) or plain (one process)."""
+    sharded = dist.is_initialized()
+    sd = get_model_state_dict(model) if sharded else model.state_dict()
+    check_checkpoint(checkpoint_id, sd)
+    with (
+        warnings.catch_warnings()
+    ):  # one process on purpose: DCP's "assuming single process" note is noise
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(sd, checkpoint_id=str(checkpoint_id), no_dist=not sharded)
+    if sharded:
+        set_model_state_dict(model, sd)
+    else:
+        model.load_state_dict(sd, strict=True)
+
+
+def files_written(folder: str | os.PathLike) -> dict[str, int]:
+    """``{file name: bytes}`` of a checkpoint folder."""
+    return {p.name: p.stat().st_size for p in sorted(Path(folder).iterdir())}
+
+
+def part_save(cfg, ctx) -> dict:
+    """Train FSDP2 ``cfg.steps`` steps, then write ``full.pt`` (rank 0) and ``dcp/`` (every rank)."""
+    root = Path(cfg.checkpoint_dir)
+    model = F.apply_fsdp(S.make_model(cfg).to(ctx.device), F.mesh_for(cfg, ctx))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    S.train(model, opt.step, cfg, ctx, opt.zero_grad)
+    full = full_state_dict(model)
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        torch.save(full, root / "full.pt.tmp")
+        os.replace(root / "full.pt.tmp", root / "full.pt")
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(root / "dcp"))
+    dist.barrier()
+    return {
+        "full_keys": sorted(full),
+        "files": files_written(root / "dcp"),
+        "local_shards": {
+            k: list(v.to_local().shape) for k, v in get_model_state_dict(model).items()
+        },
+    }
+
+
+def part_load(cfg, ctx) -> dict:
+    """Load ``dcp/`` into a freshly sharded model (any world size); compare with ``full.pt``."""
+    root = Path(cfg.checkpoint_dir)
+    fresh = S.ShardConfig(**{**cfg.__dict__, "seed": cfg.seed + 1})  # other weights before loading
+    model = F.apply_fsdp(S.make_model(fresh).to(ctx.device), F.mesh_for(cfg, ctx))
+    saved = torch.load(root / "full.pt", map_location="cpu", weights_only=True)
+    before = S.max_diff(get_model_state_dict(model), saved)
+    load_dcp(model, root / "dcp")
+    return {
+        "max_diff_before": before,
+        "max_diff_after": S.max_diff(get_model_state_dict(model), saved),
+        "local_shards": {
+            k: list(v.to_local().shape) for k, v in get_model_state_dict(model).items()
+        },
+    }

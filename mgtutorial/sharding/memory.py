@@ -1,0 +1,212 @@
+"""Bytes per rank of DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP): the formula, the measurement, the chart.
+
+Taught in notebooks/07_sharding.ipynb. Follows the ZeRO paper's accounting (Rajbhandari et al.,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", §3) and
+https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html (how FSDP2 shards dim 0).
+
+For Ψ parameters trained with Adam(W), one rank of plain DDP holds
+
+=============  ======  ====================================================================
+precision      bytes   params + grads + optimizer state
+=============  ======  ====================================================================
+``fp32``       16Ψ     4Ψ + 4Ψ + 8Ψ (exp_avg, exp_avg_sq)
+``mixed``      16Ψ     2Ψ (bf16) + 2Ψ (bf16) + 12Ψ (fp32 master copy, exp_avg, exp_avg_sq)
+=============  ======  ====================================================================
+
+``mixed`` is the ZeRO paper's mixed precision (half-precision parameters and gradients in the model,
+the fp32 master copy in the optimizer). FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16)``
+keeps fp32 parameter and gradient shards (bf16 only in the gathered copies), so between steps it
+holds the ``fp32`` row (measured in notebooks/07_sharding.ipynb, section 7).
+
+and sharding over N ranks divides the optimizer state (ZeRO-1), also the gradients (ZeRO-2), also
+the parameters (ZeRO-3 / FSDP) by N. Exactly, with the padding the implementations add:
+
+* ZeRO-1/2 as written in :mod:`mgtutorial.sharding.zero` flatten all parameters into one buffer padded to
+  N·S elements, S = ⌈Ψ/N⌉; each rank owns one slice of S elements;
+* FSDP2 shards every parameter along dim 0 in chunks of c = ⌈d₀/N⌉ rows (``torch.chunk``): the
+  parameter and gradient storages are padded to c rows on every rank, the optimizer state (created
+  with ``zeros_like`` from the unpadded local shard) holds only the rows rank r owns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+SCHEMES = ("ddp", "zero1", "zero2", "zero3")
+BYTES_PER_PARAM = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
+"""Bytes per parameter of (params, grads, optimizer state) for Adam(W); "mixed" as the ZeRO paper counts it."""
+PARTS = ("params", "grads", "optimizer")
+
+
+def rows_owned(d0: int, world_size: int, rank: int) -> int:
+    """Rows of a dim-0 size ``d0`` that rank ``rank`` owns under ``torch.chunk`` (what FSDP2 does)."""
+    c = math.ceil(d0 / world_size)
+    return max(0, min(c, d0 - rank * c))
+
+
+def memory_per_rank(
+    shapes: Iterable[Sequence[int]],
+    world_size: int,
+    scheme: str,
+    precision: str = "fp32",
+    rank: int = 0,
+) -> dict[str, int]:
+    """Bytes that rank ``rank`` holds for parameters, gradients and Adam(W) state.
+
+    Args:
+        shapes: the parameters' shapes, e.g. ``[p.shape for p in model.parameters()]``; ``[(Ψ,)]`` for
+            a model described only by its size.
+        world_size: N ≥ 1. scheme: one of :data:`SCHEMES`. precision: "fp32" | "mixed".
+        rank: which rank (only FSDP2's optimizer state differs between ranks).
+
+    Returns:
+        ``{"params", "grads", "optimizer", "total"}`` in bytes (ints). AdamW's per-tensor ``step``
+        counters (4 bytes each) are not counted.
+
+    Raises:
+        ValueError: unknown scheme or precision, world_size < 1, rank outside 0…N−1.
+    """
+    if scheme not in SCHEMES or precision not in BYTES_PER_PARAM:
+        raise ValueError(
+            f"scheme={scheme!r} / precision={precision!r}: use one of {SCHEMES} / "
+            f"{tuple(BYTES_PER_PARAM)}."
+        )
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"world_size={world_size}, rank={rank}: need world_size ≥ 1 and 0 ≤ rank < world_size."
+        )
+    shapes = [tuple(s) for s in shapes]
+    p, g, o = BYTES_PER_PARAM[precision]
+    psi = sum(math.prod(s) for s in shapes)
+    n, s = world_size, math.ceil(psi / world_size)  # flat slice (ZeRO-1/2 by hand)
+    rest = [math.prod(sh[1:]) for sh in shapes]
+    padded = sum(math.ceil(sh[0] / n) * k for sh, k in zip(shapes, rest))  # FSDP2 storage
+    owned = sum(rows_owned(sh[0], n, rank) * k for sh, k in zip(shapes, rest))
+    elements = {
+        "ddp": (psi, psi, psi),
+        "zero1": (n * s, n * s, s),
+        "zero2": (n * s, s, s),
+        "zero3": (padded, padded, owned),
+    }[scheme]
+    out = dict(zip(PARTS, (p * elements[0], g * elements[1], o * elements[2])))
+    out["total"] = sum(out.values())
+    return out
+
+
+def memory_table(shapes, ranks=(1, 2, 4), precision: str = "fp32") -> list[dict]:
+    """One row per (scheme, N): ``{"scheme", "N", "params", "grads", "optimizer", "total"}`` for rank 0."""
+    return [
+        {"scheme": sch, "N": n, **memory_per_rank(shapes, n, sch, precision)}
+        for sch in SCHEMES
+        for n in ranks
+    ]
+
+
+def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors count their local shard).
+
+    Views of one buffer (a flat parameter, a DDP bucket, an FSDP2 reduce-scatter output) are counted
+    once, with the padding the buffer has: that is what the rank actually holds.
+    """
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def measure(
+    params: Iterable[torch.Tensor], optimizers: Iterable[torch.optim.Optimizer]
+) -> dict[str, int]:
+    """Bytes this rank holds now: parameters, their ``.grad``, and the optimizers' Adam(W) state.
+
+    ``params`` are the tensors the model computes with (for ZeRO by hand: the full parameters);
+    the optimizer state counted is ``exp_avg`` and ``exp_avg_sq`` (not the ``step`` scalars), and a
+    gradient held by an optimizer's own parameters (the ZeRO slice) counts as a gradient.
+    """
+    params = list(params)
+    opt_params = [q for opt in optimizers for grp in opt.param_groups for q in grp["params"]]
+    own = {id(q) for q in params}
+    state = [
+        st[k]
+        for opt in optimizers
+        for st in opt.state.values()
+        for k in ("exp_avg", "exp_avg_sq")
+        if k in st
+    ]
+    grads = [q.grad for q in params] + [q.grad for q in opt_params if id(q) not in own]
+    out = {"params": held_bytes(params), "grads": held_bytes(grads), "optimizer": held_bytes(state)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def format_table(rows: list[dict], unit: str = "B") -> str:
+    """Rows of :func:`memory_table` (or measured rows of the same keys) as a fixed-width text table."""
+    div = {"B": 1, "GB": 1e9}[unit]
+    head = f"{'scheme':<7}{'N':>3}" + "".join(f"{k:>12}" for k in (*PARTS, "total"))
+    lines = [head] + [
+        f"{r['scheme']:<7}{r['N']:>3}"
+        + "".join(f"{r[k] / div:>12,.{0 if unit == 'B' else 2}f}" for k in (*PARTS, "total"))
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def memory_figure(rows: list[dict], unit: str = "B", title: str = ""):
+    """Stacked bars (params, grads, optimizer) per (scheme, N), drawn from rows of :func:`memory_table`."""
+    from matplotlib.figure import Figure
+
+    div = {"B": 1, "GB": 1e9}[unit]
+    fig = Figure(figsize=(8, 3.2), layout="constrained")
+    ax = fig.subplots()
+    labels = [f"{r['scheme']}\nN={r['N']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for part, color in zip(PARTS, ("tab:blue", "tab:orange", "tab:green")):
+        vals = [r[part] / div for r in rows]
+        ax.bar(labels, vals, bottom=bottom, label=part, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel(f"{unit} per rank")
+    ax.set_title(title, fontsize=10)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def calculator(params_billions: float = 7.0, ranks: int = 8, precision: str = "mixed"):
+    """Sliders (parameters, ranks, schemes, precision) redrawing the per-rank bars from :func:`memory_per_rank`.
+
+    Shows the sliders, then the figure as an ordinary image output (so a saved notebook shows the
+    first one without a kernel), replaced in place whenever a slider moves. Returns the display handle.
+    """
+    import ipywidgets as W
+    from IPython.display import Image, display
+
+    from mgtutorial.runtime.live import figure_png
+
+    psi = W.FloatLogSlider(value=params_billions, base=10, min=-1, max=3, description="params (B)")
+    n = W.IntSlider(value=ranks, min=1, max=64, description="ranks N")
+    prec = W.ToggleButtons(options=tuple(BYTES_PER_PARAM), value=precision, description="precision")
+    schemes = W.SelectMultiple(options=SCHEMES, value=SCHEMES, description="schemes")
+
+    def image():
+        shapes = [(int(psi.value * 1e9),)]
+        rows = [
+            {"scheme": s, "N": n.value, **memory_per_rank(shapes, n.value, s, prec.value)}
+            for s in schemes.value
+        ]
+        label = {"fp32": "fp32", "mixed": "mixed precision (ZeRO paper: 2 + 2 + 12)"}[prec.value]
+        return Image(
+            figure_png(memory_figure(rows, "GB", f"{psi.value:.1f} B parameters, Adam(W), {label}"))
+        )
+
+    display(W.VBox([W.HBox([psi, n]), W.HBox([prec, schemes])]))
+    handle = display(image(), display_id=True)
+    for w in (psi, n, prec, schemes):
+        w.observe(lambda _: handle.update(image()), names="value")
+    return handle

@@ -1,0 +1,170 @@
+"""The package rows of the laptop check (:mod:`mgtutorial.workshop.laptop_check`, ``python -m mgtutorial check``).
+
+Described in WORKSHOP.md ("The morning check"). The Python version and each required package against
+pyproject.toml (the test extra included: nbval runs the notebooks): installed, in its version range,
+and, for those in :data:`IMPORTED`, importable, tried in a fresh interpreter since a broken install
+can crash it. Needs neither torch nor psutil; packaging, else pip's own copy of it. Version rules
+follow https://packaging.python.org/en/latest/specifications/version-specifiers/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata as metadata
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+PASS, WARN, FAIL, INFO = "pass", "WARN", "FAIL", "info"
+EXTRAS = (
+    "test",
+)  # optional dependencies a workshop needs (nbval); e2e's browser driver is not one
+IMPORTED = (
+    "torch",
+    "torchvision",
+    "ipywidgets",
+    "matplotlib",
+    "psutil",
+)  # imported too (the name is the module's)
+
+
+@dataclasses.dataclass
+class Row:
+    """One check's outcome: ``status`` is "pass" | "WARN" | "FAIL" | "info"; ``fix`` says what to do."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def pip_fix(spec: str, reinstall: bool = False) -> str:
+    """The install command a fix line prints, for this interpreter, online and from a wheel folder."""
+    again = "--force-reinstall " * reinstall
+    return f"{Path(sys.executable).name} -m pip install {again}'{spec}'  (offline: add --no-index --find-links wheels)"
+
+
+def _packaging():
+    """packaging's ``(Requirement, SpecifierSet)``; pip's own copy where packaging is not installed."""
+    try:
+        from packaging.requirements import Requirement
+        from packaging.specifiers import SpecifierSet
+    except ImportError:
+        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.specifiers import SpecifierSet
+    return Requirement, SpecifierSet
+
+
+def requirements() -> tuple[str, list]:
+    """``(requires-python, [packaging Requirement, …])``: the project's dependencies and :data:`EXTRAS`,
+    from pyproject.toml beside the package when there is one (Python ≥ 3.11), else from the
+    installed distribution's metadata."""
+    Requirement = _packaging()[0]
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        import tomllib
+
+        project = tomllib.loads(pyproject.read_text())["project"]
+        specs = project["dependencies"] + [
+            s for x in EXTRAS for s in project["optional-dependencies"].get(x, [])
+        ]
+        return project["requires-python"], [Requirement(s) for s in specs]
+    except (ImportError, OSError, KeyError):
+        reqs = [Requirement(s) for s in metadata.requires("mgtutorial") or []]
+        keep = [
+            r
+            for r in reqs
+            if r.marker is None or any(r.marker.evaluate({"extra": x}) for x in EXTRAS)
+        ]
+        return metadata.metadata("mgtutorial")["Requires-Python"] or "", keep
+
+
+def check_python(spec: str) -> Row:
+    """This interpreter's version against ``spec`` (pyproject's requires-python, e.g. ">=3.10")."""
+    SpecifierSet = _packaging()[1]
+    version = platform.python_version()
+    if SpecifierSet(spec).contains(version):
+        return Row("python", PASS, f"{version} (needs {spec}) at {sys.executable}")
+    return Row(
+        "python",
+        FAIL,
+        f"{version}, but the course needs {spec}",
+        f"install Python {spec} (python.org or conda), then make lab",
+    )
+
+
+_PROBE = """import importlib, sys
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+        print("imported", name, flush=True)
+    except BaseException as exc:
+        print("imported", name, f"{type(exc).__name__}: {exc}".splitlines()[0], flush=True)
+"""
+
+
+def import_errors(names: list[str], timeout_s: float = 25.0) -> dict[str, str]:
+    """``{name: why}`` for each module of ``names`` that does not import, tried one after another in a
+    fresh interpreter (``sys.executable``): a raised exception, or the interpreter crashing or hanging."""
+    if not names:
+        return {}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _PROBE, *names],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        stdout, end = out.stdout, f"importing it ended Python with exit code {out.returncode}"
+    except (
+        subprocess.TimeoutExpired
+    ) as exc:  # run() has killed it; what it kept is bytes (str on Windows)
+        kept = exc.stdout or ""
+        stdout = kept.decode(errors="replace") if isinstance(kept, bytes) else kept
+        end = f"importing it took over {timeout_s:g} s"
+    done = dict(
+        (line.split(" ", 2)[1:] + [""])[:2]
+        for line in stdout.splitlines()
+        if line.startswith("imported ")
+    )
+    untried = [n for n in names if n not in done]  # the first one stopped the interpreter
+    return {
+        **{n: why for n, why in done.items() if why},
+        **{
+            n: end if n == untried[0] else f"not tried ({untried[0]} stopped Python)"
+            for n in untried
+        },
+    }
+
+
+def check_package(req, import_error: str = "") -> Row:
+    """One required package: installed (``importlib.metadata.version``), within its version range, and,
+    given ``import_error`` (from :func:`import_errors`), importable."""
+    # lower bounds first, as pyproject.toml writes them (packaging sorts them as text)
+    want = ",".join(sorted(map(str, req.specifier), key=lambda s: s[0] == "<")) or "any version"
+    try:
+        version = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        return Row(req.name, FAIL, f"not installed (needs {want})", pip_fix(str(req)))
+    if req.specifier and not req.specifier.contains(version, prereleases=True):
+        return Row(
+            req.name, FAIL, f"{version} installed, but the course needs {want}", pip_fix(str(req))
+        )
+    if import_error:
+        return Row(
+            req.name,
+            FAIL,
+            f"{version} installed, but import {req.name} fails: {import_error}"[:240],
+            pip_fix(str(req), reinstall=True),
+        )
+    return Row(req.name, PASS, f"{version} (needs {want})")
+
+
+def installed(name: str) -> bool:
+    """True if the distribution ``name`` is installed (it has metadata)."""
+    try:
+        return bool(metadata.version(name))
+    except metadata.PackageNotFoundError:
+        return False

@@ -40,9 +40,7 @@ CFG = ddp.DDPConfig(dataset="synthetic", batch_size=8, max_steps=2, evaluate=Fal
 
 def _displaced(scale: float) -> dict:
     """The reference's parameters moved ``scale`` times as far from the initial ones."""
-    init = ddp.build(CFG, env.DistContext(0, 0, 1, "none", torch.device("cpu"), False))[
-        0
-    ].state_dict()
+    init = ddp.build(CFG, env.DistContext.single_process())[0].state_dict()
     ref = ddp.combined_batch_reference(CFG, 2).state_dict()
     return {k: init[k] + scale * (ref[k] - init[k]) for k in ref}
 

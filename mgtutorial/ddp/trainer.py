@@ -347,7 +347,7 @@ def combined_batch_reference(cfg: DDPConfig, world_size: int) -> nn.Module:
     Runs ``cfg.max_steps`` steps (required, else ValueError) of epoch 0; returns the model (CPU)."""
     if cfg.max_steps is None:
         raise ValueError("combined_batch_reference needs cfg.max_steps.")
-    ctx = env.DistContext(0, 0, 1, "none", torch.device("cpu"), False)
+    ctx = env.DistContext.single_process()
     model, train_set, _, optimizer = build(cfg, ctx)
     loaders = [rank_loader(train_set, cfg, r, world_size) for r in range(world_size)]
     loss_fn = nn.CrossEntropyLoss()

@@ -104,7 +104,7 @@ def compare_with_reference(
             f"{d:.2g}: each stepped with its own gradient; "
             + (unsynced or f"all-reduce the gradients so that every rank steps with {what}"),
         )
-    plain = env.DistContext(0, 0, 1, "none", torch.device("cpu"), False)
+    plain = env.DistContext.single_process()
     init = ddp.build(cfg, plain)[0].state_dict()
     reference = ddp.combined_batch_reference(cfg, len(ranks)).state_dict()
     d = max_diff(ranks[0], reference)

@@ -178,7 +178,7 @@ def clip(g: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 def clipped_reference(cfg: S.ShardConfig, max_norm: float) -> torch.Tensor:
     """Flat parameters (Ψ,) of one process after ``cfg.steps`` steps of ``clip_grad_norm_`` then AdamW."""
-    model, one = S.make_model(cfg), env.DistContext(0, 0, 1, "none", torch.device("cpu"), False)
+    model, one = S.make_model(cfg), env.DistContext.single_process()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     S.train(
         model,

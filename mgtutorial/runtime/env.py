@@ -22,13 +22,18 @@ import os
 import platform
 import random
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 
 from mgtutorial.runtime import runlog
 
-BACKENDS = ("auto", "gloo", "nccl")
+Backend = Literal["gloo", "nccl"]
+"""A process group's backend."""
+BackendChoice = Literal["auto", "gloo", "nccl"]
+"""What a config asks for: "auto" is NCCL with a GPU per local rank, else gloo."""
+BACKENDS = get_args(BackendChoice)
 BACKEND_ENV = "MGTUTORIAL_BACKEND"  # set by mgtutorial.launch: the backend it resolved for the job
 
 
@@ -135,16 +140,29 @@ def set_threads(num_threads: int | None = None) -> int:
 class DistContext:
     """What a rank knows about itself once the process group is up.
 
-    Attributes: rank, local_rank, world_size (ints), backend ("gloo"/"nccl"), device (torch.device),
-    initialized (False when running as a plain process without a process group).
+    Attributes: rank, local_rank, world_size (ints), backend ("gloo"/"nccl", or None without a
+    process group), device (torch.device), initialized (False when running as a plain process
+    without a process group; :meth:`single_process` builds that one).
     """
 
     rank: int
     local_rank: int
     world_size: int
-    backend: str
+    backend: Backend | None
     device: torch.device
     initialized: bool
+
+    @classmethod
+    def single_process(cls, device: torch.device | str = "cpu") -> DistContext:
+        """Rank 0 of 1 with no process group: what a single-process reference runs under."""
+        return cls(
+            rank=0,
+            local_rank=0,
+            world_size=1,
+            backend=None,
+            device=torch.device(device),
+            initialized=False,
+        )
 
     @property
     def is_main(self) -> bool:
@@ -180,7 +198,7 @@ def distributed(backend: str = "auto", timeout_s: float = 120.0, num_threads: in
     """
     set_threads(num_threads)
     if not is_distributed_env():
-        yield DistContext(0, 0, 1, "none", torch.device("cpu"), False)
+        yield DistContext.single_process()
         return
     name = resolve_backend(os.environ.get(BACKEND_ENV, "auto") if backend == "auto" else backend)
     device = device_for(name)
@@ -203,7 +221,14 @@ def distributed(backend: str = "auto", timeout_s: float = 120.0, num_threads: in
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
-    ctx = DistContext(dist.get_rank(), local_rank(), dist.get_world_size(), name, device, True)
+    ctx = DistContext(
+        rank=dist.get_rank(),
+        local_rank=local_rank(),
+        world_size=dist.get_world_size(),
+        backend=name,
+        device=device,
+        initialized=True,
+    )
     try:
         yield ctx
     except BaseException as exc:

@@ -162,7 +162,7 @@ def reference(cfg: ShardConfig) -> tuple[BlockStack, list[float]]:
     """One process, AdamW on the whole batch: the model every parallel run must equal, and its losses."""
     model = make_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    ctx = env.DistContext(0, 0, 1, "none", torch.device("cpu"), False)
+    ctx = env.DistContext.single_process()
     return model, train(model, opt.step, cfg, ctx, opt.zero_grad)
 
 

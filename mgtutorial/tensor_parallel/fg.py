@@ -1,16 +1,15 @@
-"""Tensor parallelism: one transformer block split across ranks, by hand (Megatron's f and g) and
-with DTensor (``parallelize_module``, ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``),
-with every collective counted.
+"""Tensor parallelism by hand: Megatron's operators f and g, and the transformer block of
+:mod:`mgtutorial.tensor_parallel.transformer` split with them (the MLP by its inner features,
+attention by heads), every all-reduce counted.
 
-Taught in notebooks/08_tensor_parallel.ipynb. Follows Megatron-LM (Shoeybi et al., 2019, §3:
-the operators f and g), https://pytorch.org/docs/stable/distributed.tensor.parallel.html and
-https://pytorch.org/tutorials/intermediate/TP_tutorial.html. The workers that run these splits
-(and the 2-D mesh) are in :mod:`mgtutorial.tensor_parallel.mesh2d`, the pitfalls in
-:mod:`mgtutorial.tensor_parallel.pitfalls`.
+Taught in notebooks/08_tensor_parallel.ipynb (sections 2 and 3). Follows Megatron-LM (Shoeybi et
+al., 2019, §3: the operators f and g) and
+https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce. The same split with
+DTensor is in :mod:`mgtutorial.tensor_parallel.plans`; the worker that checks both against the
+unsplit block is :func:`mgtutorial.tensor_parallel.worker.worker`.
 
-Shapes: activations are ``(b, s, h)`` = (batch, sequence, hidden); the MLP's inner width is ``ffn``;
-attention has ``n_heads`` heads of ``h / n_heads`` features. With TP degree ``tp`` each rank holds
-``ffn / tp`` MLP features and ``n_heads / tp`` heads.
+Shapes: activations are ``(b, s, h)``; with TP degree ``tp`` each rank holds ``ffn / tp`` MLP
+features and ``n_heads / tp`` heads.
 """
 
 from __future__ import annotations
@@ -22,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+
+from mgtutorial.tensor_parallel.transformer import MLP, Attention, Block, check_heads
 
 COUNTS: collections.Counter = collections.Counter()
 """How many all-reduces :func:`all_reduce` issued, by ``"forward"`` / ``"backward"``."""
@@ -64,78 +65,18 @@ class ReduceFromTP(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
-# The unsplit block: pre-norm attention and MLP with residuals
-
-
-class MLP(nn.Module):
-    """``w2(gelu(w1(x)))``: ``(b, s, h) → (b, s, ffn) → (b, s, h)``."""
-
-    def __init__(self, h: int, ffn: int):
-        super().__init__()
-        self.w1, self.w2 = nn.Linear(h, ffn), nn.Linear(ffn, h)
-
-    def forward(self, x):
-        return self.w2(F.gelu(self.w1(x)))
-
-
-class Attention(nn.Module):
-    """Multi-head causal self-attention with ``n_heads`` heads: ``(b, s, h) → (b, s, h)``.
-
-    ``forward`` reshapes with ``self.n_heads``: after tensor parallelism it must be the number of
-    heads *on this rank* (``n_heads / tp``), which is what :func:`fix_heads` sets.
-    """
-
-    def __init__(self, h: int, n_heads: int):
-        super().__init__()
-        self.n_heads, self.head_dim = n_heads, h // n_heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(h, h) for _ in range(4))
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = (
-            w(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-            for w in (self.wq, self.wk, self.wv)
-        )
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class Block(nn.Module):
-    """A pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``(b, s, h)``."""
-
-    def __init__(self, h: int = 16, n_heads: int = 4, ffn: int = 32):
-        super().__init__()
-        self.attn_norm, self.attn = nn.LayerNorm(h), Attention(h, n_heads)
-        self.mlp_norm, self.mlp = nn.LayerNorm(h), MLP(h, ffn)
-
-    def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-def check_heads(n_heads: int, h: int, tp: int) -> None:
-    """Refuse a split that cannot be made. Raises ValueError naming the values and the fix."""
-    if h % n_heads:
-        raise ValueError(f"hidden size h={h} is not divisible by n_heads={n_heads}.")
-    if n_heads % tp:
-        near = " or ".join(str(m) for m in (tp * (n_heads // tp), tp * (n_heads // tp + 1)) if m)
-        raise ValueError(
-            f"n_heads={n_heads} is not divisible by the tensor-parallel degree tp={tp}: each rank must "
-            f"hold whole heads. Use n_heads a multiple of {tp} (e.g. {near}) or a tp that divides {n_heads}."
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# By hand: slices of the unsplit weights, f before the column-parallel layers, g after the row one
+# Slices of the unsplit weights: f before the column-parallel layers, g after the row-parallel one
 
 
 def shard_rows(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    """Slice ``rank`` of ``tp`` along dim 0 (a column-parallel weight's output features), as a leaf."""
+    """Slice ``rank`` of ``tp`` along dim 0 (a column-parallel weight's output features), as a
+    leaf: ``(out, in) → (out / tp, in)``, or ``(out,) → (out / tp,)`` for a bias."""
     return t.detach().chunk(tp, dim=0)[rank].clone().requires_grad_()
 
 
 def shard_cols(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    """Slice ``rank`` of ``tp`` along dim 1 (a row-parallel weight's input features), as a leaf."""
+    """Slice ``rank`` of ``tp`` along dim 1 (a row-parallel weight's input features), as a leaf:
+    ``(out, in) → (out, in / tp)``."""
     return t.detach().chunk(tp, dim=1)[rank].clone().requires_grad_()
 
 
@@ -161,7 +102,8 @@ class HandTPMLP(nn.Module):
 
 class HandTPAttention(nn.Module):
     """Attention split by heads: q, k, v column-parallel (``n_heads / tp`` heads per rank), the
-    output projection row-parallel, f at the input and g at the output. ``(b, s, h) → (b, s, h)``."""
+    output projection row-parallel, f at the input and g at the output; ``(b, s, h) → (b, s, h)``
+    on every rank. Raises ValueError (:func:`check_heads`) when ``tp`` does not divide the heads."""
 
     def __init__(self, attn: Attention, rank: int, tp: int, group=None):
         super().__init__()
@@ -189,18 +131,15 @@ class HandTPAttention(nn.Module):
 
 
 class HandTPBlock(nn.Module):
-    """:class:`Block` with :class:`HandTPAttention` and :class:`HandTPMLP`; the LayerNorms replicated."""
+    """:class:`~mgtutorial.tensor_parallel.transformer.Block` with :class:`HandTPAttention` and
+    :class:`HandTPMLP`; the LayerNorms replicated. Its ``forward`` is the unsplit block's."""
 
     def __init__(self, block: Block, rank: int, tp: int, group=None):
         super().__init__()
-        self.attn_norm, self.mlp_norm = (
-            copy.deepcopy(block.attn_norm),
-            copy.deepcopy(block.mlp_norm),
-        )
-        self.attn, self.mlp = (
-            HandTPAttention(block.attn, rank, tp, group),
-            HandTPMLP(block.mlp, rank, tp, group),
-        )
+        self.attn_norm = copy.deepcopy(block.attn_norm)
+        self.mlp_norm = copy.deepcopy(block.mlp_norm)
+        self.attn = HandTPAttention(block.attn, rank, tp, group)
+        self.mlp = HandTPMLP(block.mlp, rank, tp, group)
 
     forward = Block.forward
 
@@ -229,86 +168,9 @@ def unsplit_name(name: str) -> str:
 
 
 def hand_shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    """The part of an unsplit tensor (e.g. a gradient) that the hand modules' parameter ``name`` holds."""
+    """The part of an unsplit tensor (e.g. a gradient) that the hand modules' parameter ``name``
+    holds: rows for q, k, v and w1 (and their biases), columns for wo and w2, else all of it."""
     last = name.rsplit(".", 1)[-1]
     if last in ("wq", "wk", "wv", "q_bias", "k_bias", "v_bias", "w1", "b1"):
         return full.chunk(tp, dim=0)[rank]
     return full.chunk(tp, dim=1)[rank] if last in ("wo", "w2") else full
-
-
-# ---------------------------------------------------------------------------------------------
-# The library version: the same split as a plan of parallel styles on a 1-D device mesh
-
-
-def tp_plan(sequence_parallel: bool = False, prepare_inputs: bool = True) -> dict:
-    """``parallelize_module`` plan for :class:`Block`: q/k/v and w1 ``ColwiseParallel``, wo and w2
-    ``RowwiseParallel`` (an all-reduce after each row-parallel layer).
-
-    ``prepare_inputs``: turn the input of ``attn`` and ``mlp`` into a replicated DTensor once
-    (``PrepareModuleInput``), so that its gradient is all-reduced once, as *f* does; without it q, k
-    and v each all-reduce their own input gradient. ``sequence_parallel``: the LayerNorms run on
-    sequence shards (``SequenceParallel``, ``Shard(1)``), the block's input and output are sequence
-    shards, and each all-reduce becomes an all-gather (before the column-parallel layers) and a
-    reduce-scatter (after the row-parallel one).
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    seq = Shard(1) if sequence_parallel else Replicate()
-    plan = {
-        "attn.wq": ColwiseParallel(),
-        "attn.wk": ColwiseParallel(),
-        "attn.wv": ColwiseParallel(),
-        "attn.wo": RowwiseParallel(output_layouts=seq),
-        "mlp.w1": ColwiseParallel(),
-        "mlp.w2": RowwiseParallel(output_layouts=seq),
-    }
-    if prepare_inputs or sequence_parallel:
-        for name in ("attn", "mlp"):
-            plan[name] = PrepareModuleInput(
-                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False
-            )
-    if sequence_parallel:
-        plan.update(attn_norm=SequenceParallel(), mlp_norm=SequenceParallel())
-    return plan
-
-
-def fix_heads(block: Block, tp: int) -> Block:
-    """After parallelizing: each rank's attention reshapes into ``n_heads / tp`` local heads."""
-    check_heads(block.attn.n_heads, block.attn.wq.in_features, tp)
-    block.attn.n_heads //= tp
-    return block
-
-
-def apply_tp(
-    block: Block, tp_mesh, sequence_parallel: bool = False, prepare_inputs: bool = True
-) -> Block:
-    """Parallelize ``block`` in place over the 1-D ``tp_mesh`` with :func:`tp_plan`; returns it."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    parallelize_module(block, tp_mesh, tp_plan(sequence_parallel, prepare_inputs))
-    return fix_heads(block, tp_mesh.size())
-
-
-def comm_bytes(b: int, s: int, h: int, ffn: int, tp: int, layers: int = 1, elem: int = 2) -> dict:
-    """What one training step moves, from the sizes (``elem`` bytes per element; 2 for bf16).
-
-    TP: per block, one all-reduce of a ``(b, s, h)`` activation after attention and one after the
-    MLP in forward, two more in backward: ``tp_forward = 2·b·s·h·elem·layers``. DDP: one all-reduce
-    of every gradient per step: ``ddp_step = params·elem``. A ring all-reduce sends
-    ``2·(n − 1)/n`` times the tensor's bytes from each rank (``*_per_rank``).
-    """
-    params = layers * (4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h)
-    tp_forward = 2 * b * s * h * elem * layers
-    return {
-        "tp_forward": tp_forward,
-        "tp_step": 2 * tp_forward,
-        "ddp_step": params * elem,
-        "params": params,
-        "tp_step_per_rank": 2 * tp_forward * 2 * (tp - 1) // tp,
-    }

@@ -1,0 +1,53 @@
+"""Checker of exercise 08.1 (notebooks/08_tensor_parallel.ipynb): predict the collectives of a
+wider split block, and the bytes each one moves, before the chapter's worker counts them.
+"""
+
+from __future__ import annotations
+
+from mgtutorial.exercises._common import answered, passed, require, run_ranks
+from mgtutorial.tensor_parallel import config, worker
+
+
+def counts(predicted: dict) -> None:
+    """08.1: ``predicted`` = {"forward", "backward": all-reduces of the hand-split block (ints),
+    "all_reduce_bytes": bytes of each DTensor all-reduce (int), "all_gather_bytes": [bytes in, out]
+    of each sequence-parallel all-gather} for ``TPConfig(h=32, n_heads=8, batch=3, seq=4)`` on 2
+    ranks.
+
+    Launches the chapter's worker (:func:`mgtutorial.tensor_parallel.worker.worker`) and compares.
+    """
+    ex = "08.1 counts and bytes"
+    guess = {
+        k: answered(predicted.get(k), ex, f'predicted["{k}"]')
+        for k in ("forward", "backward", "all_reduce_bytes", "all_gather_bytes")
+    }
+    cfg = config.TPConfig(h=32, n_heads=8, batch=3, seq=4)
+    v = run_ranks(ex, worker.worker, cfg, 2, name="tp").values[0]
+    block, dt, sp = (v[k]["counts"] for k in ("hand_block", "dtensor", "sequence_parallel"))
+    for phase in ("forward", "backward"):
+        got = block[phase].get("all_reduce", 0)
+        require(
+            guess[phase] == got,
+            ex,
+            f"the split block issued {got} all-reduces in {phase}, not "
+            f"{guess[phase]}: one g (forward) or one f (backward) per sublayer, attention and MLP",
+        )
+    got = {n for n, _ in dt["bytes"]["all_reduce"]}.pop()
+    require(
+        guess["all_reduce_bytes"] == got,
+        ex,
+        f"each all-reduce moved {got} bytes, not "
+        f"{guess['all_reduce_bytes']}: one (b, s, h) float32 activation is b·s·h·4 bytes",
+    )
+    got = sp["bytes"]["all_gather"][0]
+    require(
+        list(guess["all_gather_bytes"]) == got,
+        ex,
+        f"each all-gather took and returned {got} bytes, not "
+        f"{list(guess['all_gather_bytes'])}: a rank sends its s / tp tokens and receives all s",
+    )
+    passed(
+        ex,
+        f"2 + 2 all-reduces of {got[1]} bytes per block; sequence parallelism gathers "
+        f"{got[0]} → {got[1]}",
+    )

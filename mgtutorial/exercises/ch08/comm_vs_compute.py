@@ -1,0 +1,101 @@
+"""Checker of exercise 08.4 (notebooks/08_tensor_parallel.ipynb): the TP degree at which one
+block's forward communication outgrows its matmuls, over NVLink and over InfiniBand, with the
+arithmetic of section 7 (:func:`mgtutorial.tensor_parallel.cost.comm_bytes`) and the H100 figures of
+:data:`mgtutorial.perf.costmodel.H100`.
+"""
+
+from __future__ import annotations
+
+from mgtutorial.exercises._common import answered, attempt, close, passed, require
+from mgtutorial.perf import costmodel
+from mgtutorial.tensor_parallel import cost
+
+LINKS = {"nvlink": costmodel.H100.intra_bw, "infiniband": costmodel.H100.inter_bw}
+"""08.4's links (B/s per direction): NVLink 4 and one NDR InfiniBand port per GPU
+(``costmodel.H100``)."""
+N_HEADS = 96
+"""08.4's head count (GPT-3: 96 heads of 128 features, h = 12288): a TP degree must divide it."""
+
+
+def reference_ratio(tp_degree: int, link_bw: float) -> float:
+    """Section 7's ratio: one block's forward communication per rank over ``link_bw`` (B/s) / its
+    matmuls at ``costmodel.H100.peak_flops``."""
+    s, h = 2048, 12288
+    big = cost.comm_bytes(b=1, s=s, h=h, ffn=4 * h, tp=tp_degree, elem=2)
+    comm_s = big["tp_forward"] * 2 * (tp_degree - 1) / tp_degree / link_bw
+    return comm_s / (2 * big["params"] * s / tp_degree / costmodel.H100.peak_flops)
+
+
+def _check_ratio(ex: str, ratio) -> None:
+    peak = costmodel.H100.peak_flops
+    for bw in LINKS.values():
+        for n in (8, 2, 3, 4, 16, 24):
+            got, want = attempt(ex, ratio, n, bw), reference_ratio(n, bw)
+            if close(got, want, rel=1e-6):
+                continue
+            fixes = [  # (factor that would make the learner's ratio right, what it forgot)
+                (
+                    2 * (n - 1) / n,
+                    "a ring all-reduce sends 2(n − 1)/n of the tensor from each rank",
+                ),
+                (n, "each rank computes 1/tp of the matmuls"),
+                (
+                    2 * (n - 1),
+                    "count the ring's 2(n − 1)/n, and each rank computes only 1/tp of the matmuls",
+                ),
+                (989 / 990, f"take the peak from costmodel.H100.peak_flops ({peak:.4g} FLOP/s)"),
+                (
+                    LINKS["nvlink"] / bw,
+                    "divide by link_bw, the link asked for, not a fixed NVLink bandwidth",
+                ),
+            ]
+            why = next(
+                (text for k, text in fixes if close(got * k, want, rel=1e-6)),
+                "compare with section 7's cell",
+            )
+            require(
+                False,
+                ex,
+                f"ratio({n}, {bw:.3g}) = {got:.3g}, section 7's arithmetic gives {want:.3g}: {why}",
+            )
+
+
+def crossover(ratio, smallest_tp: dict | None = None) -> None:
+    """08.4: ``ratio(tp, link_bw) -> float`` (communication / compute of one block's forward at the
+    GPT-3-like size of section 7, ``link_bw`` in B/s, peak ``costmodel.H100.peak_flops``) and
+    ``smallest_tp`` = {"nvlink", "infiniband": int}, per link of :data:`LINKS` the smallest TP
+    degree dividing :data:`N_HEADS` with ``ratio > 1``. ``ratio`` is compared with the section's
+    arithmetic at tp = 2, 3, 4, 8, 16, 24 on both links."""
+    ex = "08.4 crossover"
+    _check_ratio(ex, ratio)
+    smallest_tp = smallest_tp or {}
+    found = {}
+    for link, bw in LINKS.items():
+        guess = answered(smallest_tp.get(link), ex, f'smallest_tp["{link}"]')
+        want = found[link] = next(
+            n for n in range(2, N_HEADS + 1) if N_HEADS % n == 0 and reference_ratio(n, bw) > 1
+        )
+        name = f'smallest_tp["{link}"] = {guess!r}'
+        require(isinstance(guess, int) and guess >= 2, ex, f"{name}: give an int ≥ 2")
+        require(
+            N_HEADS % guess == 0,
+            ex,
+            f"{name} does not divide the {N_HEADS} heads: each rank must hold whole heads, and "
+            "transformer.check_heads refuses such a degree (section 3); look among the divisors "
+            "of 96",
+        )
+        require(
+            reference_ratio(guess, bw) > 1,
+            ex,
+            f"{name}: ratio = {reference_ratio(guess, bw):.3g} ≤ 1, the communication still "
+            "takes less time than the matmuls; try larger divisors of 96",
+        )
+        hint = f"{name}: a smaller divisor of 96 already has ratio > 1 on this link"
+        require(guess == want, ex, hint)
+    nv, ib = (reference_ratio(8, bw) for bw in LINKS.values())
+    passed(
+        ex,
+        f"ratio(8) = {nv:.2f} over NVLink, {ib:.2f} over InfiniBand, growing with tp − 1; among "
+        f"divisors of {N_HEADS} heads, communication wins from tp = {found['nvlink']} (NVLink) "
+        f"and {found['infiniband']} (InfiniBand)",
+    )

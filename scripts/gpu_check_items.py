@@ -340,7 +340,8 @@ def fsdp2_parity_rank(ctx, steps: int = 3, batch: int = 4) -> dict:
 
 
 def tp_parity_rank(ctx, steps: int = 3, batch: int = 8) -> dict:
-    """Megatron-style MLP with ``parallelize_module`` (ColwiseParallel, then RowwiseParallel) == one process."""
+    """Megatron-style MLP with ``parallelize_module`` (ColwiseParallel, then RowwiseParallel) ==
+    one process."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,

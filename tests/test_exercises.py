@@ -15,8 +15,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from mgtutorial.exercises import edition
 from mgtutorial.exercises._common import PASS, ExerciseError, answered, attempt
+from mgtutorial.workshop import edition
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

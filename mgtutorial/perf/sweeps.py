@@ -188,10 +188,11 @@ class StepConfig(ddp.DDPConfig):
                 )
 
 
-def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None) -> dict:
+def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None, barrier: bool) -> dict:
     """Train one variant of ``cfg`` on ``ctx`` (a world of one for the modes that train alone);
     its medians and step times, as :func:`step_worker` returns them. ``trace``: profile one more
-    step and write its Chrome trace there."""
+    step and write its Chrome trace there; ``barrier``: start training at a barrier of the whole
+    job (which the ranks of the alone modes join too)."""
     n = cfg.warmup + cfg.steps
     kwargs = {k: v for k, v in variant.items() if k not in ("batch_size", "mode")}
     run_cfg = dataclasses.replace(
@@ -213,7 +214,7 @@ def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None) -> dict:
         profile_step=n if trace else None,
         trace=trace,
     )
-    if ctx.initialized:
+    if barrier:
         dist.barrier()
     trainer.train()
     timed = trainer.phases[cfg.warmup : n]
@@ -261,5 +262,5 @@ def step_worker(cfg: StepConfig) -> list[dict]:
                 else dataclasses.replace(ctx, rank=0, world_size=1, initialized=False)
             )
             trace = str(runlog.run_dir() / f"trace_rank{ctx.rank}.json") if i == profiled else None
-            out.append(run_variant(cfg, own, variant, trace))
+            out.append(run_variant(cfg, own, variant, trace, barrier=ctx.initialized))
         return out

@@ -46,6 +46,9 @@ BYTES_PER_PARAM: dict[Precision, tuple[int, int, int]] = {"fp32": (4, 4, 8), "mi
 """Bytes per parameter of (params, grads, optimizer state) for Adam(W); "mixed" as the ZeRO
 paper counts it."""
 PARTS = ("params", "grads", "optimizer")
+Unit = Literal["B", "GB"]
+"""Bytes, or GB (10⁹ bytes), in tables and figures."""
+DIVISOR: dict[Unit, float] = {"B": 1, "GB": 1e9}
 
 
 def rows_owned(d0: int, world_size: int, rank: int) -> int:
@@ -157,10 +160,10 @@ def measure(
     return out
 
 
-def format_table(rows: list[dict], unit: str = "B") -> str:
+def format_table(rows: list[dict], unit: Unit = "B") -> str:
     """Rows of :func:`memory_table` (or measured rows of the same keys) as a fixed-width text
     table, in bytes (``unit="B"``) or GB (``"GB"``, 10⁹ bytes)."""
-    div = {"B": 1, "GB": 1e9}[unit]
+    div = DIVISOR[unit]
     head = f"{'scheme':<7}{'N':>3}" + "".join(f"{k:>12}" for k in (*PARTS, "total"))
     lines = [head] + [
         f"{r['scheme']:<7}{r['N']:>3}"
@@ -170,12 +173,12 @@ def format_table(rows: list[dict], unit: str = "B") -> str:
     return "\n".join(lines)
 
 
-def memory_figure(rows: list[dict], unit: str = "B", title: str = ""):
+def memory_figure(rows: list[dict], unit: Unit = "B", title: str = ""):
     """Stacked bars (params, grads, optimizer) per (scheme, N), drawn from rows of
     :func:`memory_table`; returns a matplotlib ``Figure``."""
     from matplotlib.figure import Figure
 
-    div = {"B": 1, "GB": 1e9}[unit]
+    div = DIVISOR[unit]
     fig = Figure(figsize=(8, 3.2), layout="constrained")
     ax = fig.subplots()
     labels = [f"{r['scheme']}\nN={r['N']}" for r in rows]

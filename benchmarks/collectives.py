@@ -5,8 +5,8 @@ Benchmark for notebooks/09_performance.ipynb. For each collective and size it re
 fits ``t = α + β·S`` per collective (:func:`mgtutorial.perf.costmodel.fit_alpha_beta`). Run, not
 asserted on::
 
-    python benchmarks/collectives.py --out benchmarks/results/collectives.json            # 2 ranks, gloo
-    python benchmarks/collectives.py --nprocs 2 4 --out /tmp/collectives.json      # also 4 ranks
+    python benchmarks/collectives.py --out benchmarks/results/collectives.json    # 2 ranks, gloo
+    python benchmarks/collectives.py --nprocs 2 4 --out /tmp/collectives.json     # also 4 ranks
     torchrun --standalone --nproc-per-node 8 benchmarks/collectives.py --out c.json  # GPUs, NCCL
 
 Under ``torchrun`` the ranks run the sweep in this process (NCCL on GPUs); otherwise it starts
@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 
 from mgtutorial import launch
-from mgtutorial.perf import costmodel as cm
-from mgtutorial.perf import timing as perf
+from mgtutorial.perf import costmodel, sweeps
 from mgtutorial.runtime import env
 
 SIZES = [4 * 1024 * 4**i for i in range(8)]  # 4 KiB … 64 MiB
@@ -45,14 +44,14 @@ def report(records: list[dict]) -> dict:
             {
                 "nbytes": r["nbytes"],
                 "time_s": r["time_s"],
-                "algbw": cm.algbw(r["nbytes"], r["time_s"]),
-                "busbw": cm.busbw(op, r["nbytes"], r["time_s"], n),
+                "algbw": costmodel.algbw(r["nbytes"], r["time_s"]),
+                "busbw": costmodel.busbw(op, r["nbytes"], r["time_s"], n),
             }
         )
     for ops in out.values():
         for entry in ops.values():
             pts = entry["points"]
-            entry["alpha_s"], entry["beta_s_per_byte"] = cm.fit_alpha_beta(
+            entry["alpha_s"], entry["beta_s_per_byte"] = costmodel.fit_alpha_beta(
                 [p["nbytes"] for p in pts], [p["time_s"] for p in pts]
             )
     return out
@@ -88,10 +87,10 @@ def main() -> int:
     parser.add_argument("--max-mib", type=float, default=64, help="largest size in MiB")
     args = parser.parse_args()
     sizes = [s for s in SIZES if s <= args.max_mib * 1024 * 1024]
-    cfg = perf.SweepConfig(sizes=sizes, repeats=args.repeats)
+    cfg = sweeps.SweepConfig(sizes=sizes, repeats=args.repeats)
     start = time.monotonic()
     if env.is_distributed_env():  # under torchrun: we are a rank
-        records = perf.sweep_worker(cfg)
+        records = sweeps.sweep_worker(cfg)
         if env.rank() != 0:
             return 0
     else:
@@ -100,7 +99,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="mgtutorial-coll-") as tmp:
             for n in args.nprocs:
                 records += (
-                    launch(perf.sweep_worker, cfg, n, runs_dir=tmp, threads_per_rank=1)
+                    launch(sweeps.sweep_worker, cfg, n, runs_dir=tmp, threads_per_rank=1)
                     .wait()
                     .values[0]
                 )
@@ -122,10 +121,8 @@ def main() -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(
-        f"\nall-reduce fit: α = {out['alpha_s'] * 1e6:.1f} µs, β = {out['beta_s_per_byte'] * 1e9:.3f} ns/byte; "
-        f"wrote {args.out}"
-    )
+    alpha_us, beta_ns = out["alpha_s"] * 1e6, out["beta_s_per_byte"] * 1e9
+    print(f"\nall-reduce fit: α = {alpha_us:.1f} µs, β = {beta_ns:.3f} ns/byte; wrote {args.out}")
     return 0
 
 

@@ -278,16 +278,15 @@ def print_table(rows: list[tuple[str, str, dict]]) -> None:
 def batch_sweep(batches: list[int], repeats: int) -> dict:
     """(c) ``ceiling_2v1`` and ``scaling_2v1_by_batch`` (chapter 09), in one run.
 
-    Per repeat, one 2-rank job of :func:`mgtutorial.perf.timing.step_worker` on digits; for each per-rank
-    batch in turn: rank 0 training alone (rank 1 idle at a barrier), both ranks training
+    Per repeat, one 2-rank job of :func:`mgtutorial.perf.sweeps.step_worker` on digits; for each
+    per-rank batch in turn: rank 0 training alone (rank 1 idle at a barrier), both ranks training
     independently at once (no DDP, no collectives: the ceiling), then DDP on both. Interleaving
     the three per batch lets a drifting machine load touch them alike. Ratios by
-    :func:`mgtutorial.perf.costmodel.scaling_ratios`; medians over repeats.
+    :func:`mgtutorial.perf.scaling.scaling_ratios`; medians over repeats.
     """
-    from mgtutorial.perf import costmodel
-    from mgtutorial.perf import timing as perf
+    from mgtutorial.perf import scaling, sweeps
 
-    cfg = perf.StepConfig(
+    cfg = sweeps.StepConfig(
         dataset="digits",
         backend="gloo",
         warmup=3,
@@ -301,11 +300,11 @@ def batch_sweep(batches: list[int], repeats: int) -> dict:
     try:
         for i in range(repeats):
             values = (
-                launch(perf.step_worker, cfg, 2, runs_dir=tmp, threads_per_rank=1)
+                launch(sweeps.step_worker, cfg, 2, runs_dir=tmp, threads_per_rank=1)
                 .wait(timeout=RUN_TIMEOUT_S)
                 .values
             )
-            per_repeat.append(costmodel.scaling_ratios(values))
+            per_repeat.append(scaling.scaling_ratios(values))
             print(
                 f"[batch sweep {i + 1}/{repeats}] "
                 + ", ".join(

@@ -4,8 +4,8 @@ True / False) at N = 1, 2, 4 ranks, measured against the memory formula.
 Benchmark for notebooks/07_sharding.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html.
 
-Each N is one launch of :func:`mgtutorial.sharding.zero.worker` with the ``bench`` part
-(:func:`mgtutorial.sharding.fsdp.part_bench`): every set-up trains the chapter's ``BlockStack``
+Each N is one launch of :func:`mgtutorial.sharding.worker.worker` with the ``bench`` part
+(:func:`mgtutorial.sharding.worker.part_bench`): every set-up trains the chapter's ``BlockStack``
 (``--blocks`` blocks of ``--width`` features) for ``--steps`` AdamW steps after one warm-up step;
 each rank then sums the bytes of the distinct storages behind its parameters, gradients and Adam(W)
 state. Run it, don't assert on it::
@@ -27,9 +27,9 @@ import tempfile
 from pathlib import Path
 
 from mgtutorial import launch
-from mgtutorial.sharding import fsdp as F
-from mgtutorial.sharding import memory as M
-from mgtutorial.sharding import zero as S
+from mgtutorial.sharding import memory
+from mgtutorial.sharding.model import make_model
+from mgtutorial.sharding.worker import BENCH, ShardConfig, worker
 
 RANKS = (1, 2, 4)
 
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per set-up")
     parser.add_argument("--batch-size", type=int, default=64, help="global batch (a multiple of 4)")
     args = parser.parse_args()
-    cfg = S.ShardConfig(
+    cfg = ShardConfig(
         parts=["bench"],
         width=args.width,
         blocks=args.blocks,
@@ -54,17 +54,16 @@ def main() -> None:
         batch_size=args.batch_size,
         backend="gloo",
     )
-    shapes = [p.shape for p in S.make_model(cfg).parameters()]
-    measured, formula, step_s = ({k: {} for k in F.BENCH} for _ in range(3))
+    shapes = [p.shape for p in make_model(cfg).parameters()]
+    measured, formula, step_s = ({k: {} for k in BENCH} for _ in range(3))
     with tempfile.TemporaryDirectory() as runs:
         for n in RANKS:
-            values = (
-                launch(S.worker, cfg, n, runs_dir=runs, threads_per_rank=1).wait(timeout=600).values
-            )
-            for name, scheme in F.BENCH.items():
+            run = launch(worker, cfg, n, runs_dir=runs, threads_per_rank=1)
+            values = run.wait(timeout=600).values
+            for name, scheme in BENCH.items():
                 measured[name][n] = {r: values[r]["bench"][name]["bytes"] for r in range(n)}
                 formula[name][n] = {
-                    r: M.memory_per_rank(shapes, n, scheme, rank=r) for r in range(n)
+                    r: memory.memory_per_rank(shapes, n, scheme, rank=r) for r in range(n)
                 }
                 step_s[name][n] = max(values[r]["bench"][name]["step_s"] for r in range(n))
     all_equal = measured == formula
@@ -73,9 +72,10 @@ def main() -> None:
         "(measured = formula?) and ms per step"
     )
     print(f"{'set-up':<14}" + "".join(f"{'N=' + str(n):>26}" for n in RANKS))
-    for name in F.BENCH:
+    for name in BENCH:
         cells = [
-            f"{measured[name][n][0]['total']:>11,} {'=' if measured[name][n] == formula[name][n] else '≠'} "
+            f"{measured[name][n][0]['total']:>11,} "
+            f"{'=' if measured[name][n] == formula[name][n] else '≠'} "
             f"{1e3 * step_s[name][n]:>8.2f} ms"
             for n in RANKS
         ]

@@ -34,7 +34,7 @@ from mgtutorial.hello import HelloConfig, hello
 
 # NVIDIA's libraries read this: no TF32 in cuBLAS/cuDNN, so GPU results compare with CPU fp32 ones
 from mgtutorial.perf import costmodel
-from mgtutorial.perf import timing as perf
+from mgtutorial.perf import timing
 from mgtutorial.pipeline import naive as model_parallel
 from mgtutorial.pipeline import schedules as pipeline
 from mgtutorial.pipeline import timeline
@@ -244,10 +244,8 @@ def fsdp2_memory_rank(ctx, width: int = 4096, layers: int = 8, batch: int = 8) -
     if dev.type != "cuda":  # the dry run: a small model
         width = 256
     mesh = _mesh(ctx)
-    for dtype in (
-        torch.float32,
-        torch.bfloat16,
-    ):  # cuBLAS allocates its workspaces now, not inside the measurement
+    # cuBLAS allocates its workspaces now, not inside the measurement
+    for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(64, 64, device=dev, dtype=dtype, requires_grad=True)
         (w @ w).sum().backward()
     del w
@@ -402,7 +400,7 @@ def async_rank(ctx, numel: int = 64 * 2**20, matmuls: int = 8, size: int = 4096)
     rows = {}
     for mode in ("async_op=True", "async_op=False"):
         t.fill_(1.0)
-        perf.sync(dev)
+        timing.sync(dev)
         for _ in range(matmuls):  # GPU work queued ahead of the collective
             torch.matmul(a, a, out=c)
         t0 = time.perf_counter()
@@ -416,7 +414,7 @@ def async_rank(ctx, numel: int = 64 * 2**20, matmuls: int = 8, size: int = 4096)
             event = torch.cuda.Event()
             event.record()
             row["stream_past_it_at_return"] = event.query()
-        perf.sync(dev)
+        timing.sync(dev)
         row["synchronized_ms"] = (time.perf_counter() - t0) * 1e3
         expect(
             torch.all(t == ctx.world_size).item(),
@@ -637,7 +635,7 @@ def device_basics(w: Where) -> dict:
         figures["pinned"] in (True, "not on CPU"), "pin_memory=True gave unpinned batches", figures
     )
     xd, yd = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-    perf.sync(dev)
+    timing.sync(dev)
     expect(
         torch.equal(xd.cpu(), x) and torch.equal(yd.cpu(), y),
         "non_blocking copy changed the batch",
@@ -676,7 +674,8 @@ def device_basics(w: Where) -> dict:
     chapter="07_sharding",
     min_gpus=1,
     timeout_s=150,
-    what="fully_shard + MixedPrecisionPolicy(bf16, fp32 reduce), Adam: memory_allocated vs 16Ψ/N (all GPUs)",
+    what="fully_shard + MixedPrecisionPolicy(bf16, fp32 reduce), Adam: memory_allocated vs 16Ψ/N "
+    "(all GPUs)",
 )
 def fsdp2_memory(w: Where) -> dict:
     return _ranks("fsdp2_memory", w, w.nprocs)[0]
@@ -687,7 +686,8 @@ def fsdp2_memory(w: Where) -> dict:
     chapter="09_performance",
     min_gpus=1,
     timeout_s=90,
-    what="CUDA-event timing: matmul FLOP/s (fp32 without TF32, bf16), a training step; host time without synchronize",
+    what="CUDA-event timing: matmul FLOP/s (fp32 without TF32, bf16), a training step; host time "
+    "without synchronize",
 )
 def cuda_event_timing(w: Where) -> dict:
     dev = torch.device("cuda", 0) if w.cuda else torch.device("cpu")
@@ -700,7 +700,7 @@ def cuda_event_timing(w: Where) -> dict:
         )
         for _ in range(2):
             a @ b
-        perf.sync(dev)
+        timing.sync(dev)
         t0 = time.perf_counter()
         with Timer(dev) as timer:
             for _ in range(iters):
@@ -926,7 +926,8 @@ def tp_parity(w: Where) -> dict:
     chapter="07_sharding",
     min_gpus=2,
     timeout_s=120,
-    what="fully_shard on all GPUs, each rank on its part of the batch == one process on the whole batch",
+    what="fully_shard on all GPUs, each rank on its part of the batch == one process on the whole "
+    "batch",
 )
 def fsdp2_parity(w: Where) -> dict:
     return _ranks("fsdp2_parity", w, w.nprocs)[0]

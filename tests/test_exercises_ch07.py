@@ -1,5 +1,6 @@
 """Chapter 07's checkers on wrong answers: each mistake gets its own hint (tests/test_exercises.py
-covers the solutions and the untouched starters). Learner files are written to a temporary folder."""
+covers the solutions and the untouched starters). Learner files are written to a temporary
+folder."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from mgtutorial.exercises import ch07
 from mgtutorial.exercises._common import ExerciseError
-from mgtutorial.sharding import memory as M
+from mgtutorial.sharding import memory
 
 HEADER = (
     "import torch\nimport torch.distributed as dist\n\n\n"
@@ -31,13 +32,11 @@ grad = grad * (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1)
 LOCAL = """dist.all_reduce(torch.zeros(1))  # the right number of collectives, the wrong norm
 grad = grad * (max_norm / (grad.norm() + 1e-6)).clamp(max=1)
 """
-DIV, STEP = (
-    "grad = grad / ctx.world_size\n",
-    """shard.grad = grad
+DIV = "grad = grad / ctx.world_size\n"
+STEP = """shard.grad = grad
 opt.step()
 dist.all_gather_into_tensor(flat, shard.detach().clone())
-""",
-)
+"""
 STEPS = {
     "unclipped": RS + DIV + STEP,
     "local_norm": RS + DIV + LOCAL + STEP,
@@ -55,7 +54,7 @@ def test_smallest_ranks_is_the_closed_form():
         expected = math.floor(divided / (limit - fixed)) + 1  # fixed + divided / N < limit
         assert ch07.smallest_ranks(13_000_000_000, scheme) == expected
     assert ch07.smallest_ranks(13_000_000_000, "ddp") is None
-    assert M.memory_per_rank([(13_000_000_000,)], 6, "zero1", "mixed")["total"] < limit
+    assert memory.memory_per_rank([(13_000_000_000,)], 6, "zero1", "mixed")["total"] < limit
 
 
 @pytest.mark.parametrize(
@@ -156,7 +155,8 @@ def test_reshard_policy_without_the_root(tmp_path, no_leftovers, monkeypatch):
         (
             """last = len(model.blocks) - 1
 for i, block in enumerate(model.blocks):
-    fully_shard(block, mesh=mesh, reshard_after_forward=i > 0)  # the FIRST block kept: the same counts
+    # the FIRST block kept: the same counts
+    fully_shard(block, mesh=mesh, reshard_after_forward=i > 0)
 fully_shard(model, mesh=mesh)""",
             "with B = 2 blocks, after forward block 0 is still gathered and block 1 was freed: "
             "keep only the LAST block",

@@ -1,5 +1,6 @@
-"""Chapter 09: the cost model's arithmetic on hand-computed cases, the α–β fit, and the profiler
-trace and sweeps of real 2-rank runs (their values and counts, never their durations)."""
+"""Chapter 09: the cost model's and the scaling arithmetic on hand-computed cases, the α–β fit, and
+the profiler trace and sweeps of real 2-rank runs (their values and counts, never their
+durations)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mgtutorial import launch
 from mgtutorial.common import models
-from mgtutorial.perf import costmodel as cm
-from mgtutorial.perf import timing as perf
+from mgtutorial.perf import costmodel, scaling, sweeps, timing
 
 MIB = 1024 * 1024
 
@@ -22,19 +22,19 @@ def test_alpha_beta_fit_recovers_known_values():
     alpha, beta = 50e-6, 1e-9  # 50 µs, 1 GB/s
     sizes = [4096 * 4**i for i in range(8)]
     exact = [alpha + beta * s for s in sizes]
-    a, b = cm.fit_alpha_beta(sizes, exact)
+    a, b = costmodel.fit_alpha_beta(sizes, exact)
     assert a == pytest.approx(alpha, rel=1e-9) and b == pytest.approx(beta, rel=1e-9)
     rng = random.Random(0)
     noisy = [t * (1 + rng.uniform(-0.03, 0.03)) for t in exact]
-    a, b = cm.fit_alpha_beta(sizes, noisy)
+    a, b = costmodel.fit_alpha_beta(sizes, noisy)
     assert a == pytest.approx(alpha, rel=0.1) and b == pytest.approx(beta, rel=0.1)
 
 
 def test_alpha_beta_fit_refuses_bad_input():
     with pytest.raises(ValueError, match="≥ 2"):
-        cm.fit_alpha_beta([1.0], [1.0])
+        costmodel.fit_alpha_beta([1.0], [1.0])
     with pytest.raises(ValueError, match="equal"):
-        cm.fit_alpha_beta([8.0, 8.0], [1.0, 2.0])
+        costmodel.fit_alpha_beta([8.0, 8.0], [1.0, 2.0])
 
 
 @pytest.mark.parametrize(
@@ -52,55 +52,54 @@ def test_alpha_beta_fit_refuses_bad_input():
     ],
 )
 def test_bus_factors_are_nccl_tests(op, n, factor):
-    assert cm.bus_factor(op, n) == pytest.approx(factor)
+    assert costmodel.bus_factor(op, n) == pytest.approx(factor)
 
 
 def test_bandwidths_and_errors():
-    assert cm.algbw(MIB, 1e-3) == pytest.approx(1.048576e9)
-    assert cm.busbw("all_reduce", MIB, 1e-3, 4) == pytest.approx(1.5 * 1.048576e9)
+    assert costmodel.algbw(MIB, 1e-3) == pytest.approx(1.048576e9)
+    assert costmodel.busbw("all_reduce", MIB, 1e-3, 4) == pytest.approx(1.5 * 1.048576e9)
     with pytest.raises(ValueError, match="not one of"):
-        cm.bus_factor("alltoall", 2)
+        costmodel.bus_factor("alltoall", 2)
     with pytest.raises(ValueError, match="at least 1"):
-        cm.bus_factor("all_reduce", 0)
+        costmodel.bus_factor("all_reduce", 0)
     with pytest.raises(ValueError, match="positive"):
-        cm.algbw(10, 0.0)
+        costmodel.algbw(10, 0.0)
 
 
 def test_ring_time_by_hand():
-    assert cm.ring_time("all_reduce", 400, 1, 100, 1) == 0.0
-    assert cm.ring_time("all_reduce", 400, 4, 100, 1) == pytest.approx(6 + 1.5 * 4)  # 2(n−1) steps
-    assert cm.ring_time("all_gather", 400, 4, 100, 1) == pytest.approx(3 + 0.75 * 4)
+    assert costmodel.ring_time("all_reduce", 400, 1, 100, 1) == 0.0
+    assert costmodel.ring_time("all_reduce", 400, 4, 100, 1) == pytest.approx(
+        6 + 1.5 * 4
+    )  # 2(n−1) steps
+    assert costmodel.ring_time("all_gather", 400, 4, 100, 1) == pytest.approx(3 + 0.75 * 4)
 
 
 def test_bucket_layout_by_hand():
-    assert cm.bucket_layout([40, 2560, 256, 1_605_632, 128, 9600], 25 * MIB, MIB) == [
-        1_608_488,
-        9728,
-    ]
-    assert cm.bucket_layout([3, 3, 3, 3], 5) == [6, 6]
-    assert cm.bucket_layout([10, 1, 1], 5) == [
-        10,
-        2,
-    ]  # a gradient larger than the cap: its own bucket
-    assert cm.bucket_layout([1, 1], 100) == [2]
+    cnn = [40, 2560, 256, 1_605_632, 128, 9600]  # the article's CNN, backward order
+    assert costmodel.bucket_layout(cnn, 25 * MIB, MIB) == [1_608_488, 9728]
+    assert costmodel.bucket_layout([3, 3, 3, 3], 5) == [6, 6]
+    # a gradient larger than the cap: its own bucket
+    assert costmodel.bucket_layout([10, 1, 1], 5) == [10, 2]
+    assert costmodel.bucket_layout([1, 1], 100) == [2]
 
 
 def test_step_time_model_by_hand():
     # buckets of 1 and 3 bytes, α = 0.5 s, β = 1 s/byte, backward 4 s:
     # bucket 0 ready at 1 s, done at 2.5 s; bucket 1 ready at 4 s, done at 7.5 s → 3.5 s exposed
-    t = cm.ddp_step_time(1.0, 4.0, 0.5, [1, 3], alpha=0.5, beta=1.0)
+    t = costmodel.ddp_step_time(1.0, 4.0, 0.5, [1, 3], alpha=0.5, beta=1.0)
     assert t == pytest.approx(
         {"step": 9.0, "compute": 5.5, "comm": 5.0, "exposed": 3.5, "hidden": 1.5}
     )
-    t = cm.ddp_step_time(1.0, 4.0, 0.5, [1, 3], alpha=0.5, beta=1.0, overlap=False, extra_s=0.25)
+    t = costmodel.ddp_step_time(
+        1.0, 4.0, 0.5, [1, 3], alpha=0.5, beta=1.0, overlap=False, extra_s=0.25
+    )
     assert t["exposed"] == pytest.approx(5.0) and t["step"] == pytest.approx(10.75)
-    assert cm.ddp_step_time(1.0, 4.0, 0.5, [], 0.5, 1.0)["step"] == pytest.approx(5.5)
+    assert costmodel.ddp_step_time(1.0, 4.0, 0.5, [], 0.5, 1.0)["step"] == pytest.approx(5.5)
     # bucket 0 ready after half of backward (2 s), done at 3.5 s; bucket 1 at 4 s, done 7.5 s
-    t = cm.ddp_step_time(1.0, 4.0, 0.5, [1, 3], alpha=0.5, beta=1.0, ready=[0.5, 1.0])
+    t = costmodel.ddp_step_time(1.0, 4.0, 0.5, [1, 3], alpha=0.5, beta=1.0, ready=[0.5, 1.0])
     assert (t["exposed"], t["hidden"]) == pytest.approx((3.5, 1.5))
-    t = cm.ddp_step_time(
-        1.0, 10.0, 0.0, [3, 1], alpha=0.5, beta=1.0, ready=[0.1, 1.0]
-    )  # 1 → 4.5 s; 10 → 11.5 s
+    # bucket 0 ready at 1 s, done at 4.5 s; bucket 1 ready at 10 s, done at 11.5 s
+    t = costmodel.ddp_step_time(1.0, 10.0, 0.0, [3, 1], alpha=0.5, beta=1.0, ready=[0.1, 1.0])
     assert (t["exposed"], t["step"]) == pytest.approx((1.5, 12.5))
 
 
@@ -108,15 +107,15 @@ def test_flops_match_torch_flop_counter():
     model = models.ArticleCNN(in_shape=(3, 32, 32))
     with FlopCounterMode(display=False) as counter:
         model(torch.zeros(4, 3, 32, 32))
-    assert cm.article_cnn_flops(4) == counter.get_total_flops()
-    assert cm.train_flops(10) == 30
+    assert scaling.article_cnn_flops(4) == counter.get_total_flops()
+    assert scaling.train_flops(10) == 30
 
 
 def test_mfu_and_cluster_predictions_by_hand():
-    assert cm.mfu(params=1e6, tokens=1e3, seconds=1.0, peak_flops=1.2e10) == pytest.approx(0.5)
-    model = cm.Transformer(layers=2, hidden=10, seq=4)
+    assert scaling.mfu(params=1e6, tokens=1e3, seconds=1.0, peak_flops=1.2e10) == pytest.approx(0.5)
+    model = scaling.Transformer(layers=2, hidden=10, seq=4)
     assert model.params == 12 * 2 * 100
-    hw = cm.Hardware(
+    hw = costmodel.Hardware(
         name="toy",
         peak_flops=1e4,
         intra_bw=100.0,
@@ -125,50 +124,57 @@ def test_mfu_and_cluster_predictions_by_hand():
         latency=0.0,
         sources="test",
     )
-    # compute = 6·2400·1/(1e4·0.5) = 2.88 s; DDP all-reduce of 4800 bytes on 2 GPUs at 100 B/s = 48 s
-    ddp = cm.predict_step("ddp", model, 2, 1, hw)
+    # compute = 6·2400·1/(1e4·0.5) = 2.88 s;
+    # DDP all-reduce of 4800 bytes on 2 GPUs at 100 B/s = 48 s
+    ddp = scaling.predict_step("ddp", model, 2, 1, hw)
     assert ddp["compute"] == pytest.approx(2.88) and ddp["comm"] == pytest.approx(48.0)
     assert ddp["exposed"] == pytest.approx(48.0 - 2.88 * 2 / 3)
     assert ddp["efficiency"] == pytest.approx(2.88 / (2.88 + 48.0 - 1.92))
-    fsdp = cm.predict_step("fsdp2", model, 4, 1, hw)  # beyond a node: 10 B/s; 3 × 0.75 × 4800 / 10
+    fsdp = scaling.predict_step(
+        "fsdp2", model, 4, 1, hw
+    )  # beyond a node: 10 B/s; 3 × 0.75 × 4800 / 10
     assert fsdp["comm"] == pytest.approx(1080.0)
-    tp = cm.predict_step("tp", model, 2, 1, hw)  # 4·2 all-reduces of 2·1·2·10 = 40 bytes: 8 × 0.4 s
+    tp = scaling.predict_step(
+        "tp", model, 2, 1, hw
+    )  # 4·2 all-reduces of 2·1·2·10 = 40 bytes: 8 × 0.4 s
     assert tp["comm"] == pytest.approx(3.2) and tp["exposed"] == tp["comm"]
-    assert cm.predict_step("ddp", model, 1, 1, hw)["efficiency"] == 1.0
+    assert scaling.predict_step("ddp", model, 1, 1, hw)["efficiency"] == 1.0
     # two ports per node: the rings share them, 2 × 10 B/s beyond a node; never above NVLink's 100
-    two_ports = cm.Hardware(**{**vars(hw), "nics_per_node": 2})
+    two_ports = costmodel.Hardware(**{**vars(hw), "nics_per_node": 2})
     assert [two_ports.ring_bw(n) for n in (2, 4)] == [100.0, 20.0]
-    assert cm.predict_step("fsdp2", model, 4, 1, two_ports)["comm"] == pytest.approx(540.0)
-    assert cm.Hardware(**{**vars(hw), "nics_per_node": 50}).ring_bw(4) == 100.0
-    assert cm.H100.ring_bw(8) == 450e9 and cm.H100.ring_bw(16) == 400e9  # 8 NDR ports × 50 GB/s
+    assert scaling.predict_step("fsdp2", model, 4, 1, two_ports)["comm"] == pytest.approx(540.0)
+    assert costmodel.Hardware(**{**vars(hw), "nics_per_node": 50}).ring_bw(4) == 100.0
+    assert (
+        costmodel.H100.ring_bw(8) == 450e9 and costmodel.H100.ring_bw(16) == 400e9
+    )  # 8 NDR ports × 50 GB/s
     with pytest.raises(ValueError, match="strategy"):
-        cm.predict_step("zero3", model, 2, 1, hw)
+        scaling.predict_step("zero3", model, 2, 1, hw)
 
 
 def test_summarize():
-    s = perf.summarize([3.0, 1.0, 2.0, 4.0, 5.0])
+    s = timing.summarize([3.0, 1.0, 2.0, 4.0, 5.0])
     assert (s["median"], s["min"], s["max"]) == (3.0, 1.0, 5.0) and s["iqr"] > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a CUDA GPU")
 def test_cuda_events_time_a_kernel():
     a = torch.randn(1024, 1024, device="cuda")
-    assert all(t > 0 for t in perf.time_cuda_events(lambda: a @ a, repeats=3))
+    assert all(t > 0 for t in timing.time_cuda_events(lambda: a @ a, repeats=3))
 
 
 def test_bad_sweep_and_step_configs_refused_before_start(runs):
     with pytest.raises(ValueError, match="alltoall"):
-        launch(perf.sweep_worker, perf.SweepConfig(ops=["alltoall"]), 2, runs_dir=runs)
+        launch(sweeps.sweep_worker, sweeps.SweepConfig(ops=["alltoall"]), 2, runs_dir=runs)
     with pytest.raises(ValueError, match="lr"):
-        launch(perf.step_worker, perf.StepConfig(variants=[{"lr": 1.0}]), 2, runs_dir=runs)
+        launch(sweeps.step_worker, sweeps.StepConfig(variants=[{"lr": 1.0}]), 2, runs_dir=runs)
     with pytest.raises(ValueError, match="mode one of"):
-        launch(perf.step_worker, perf.StepConfig(variants=[{"mode": "solo"}]), 2, runs_dir=runs)
+        launch(sweeps.step_worker, sweeps.StepConfig(variants=[{"mode": "solo"}]), 2, runs_dir=runs)
     assert not list(runs.iterdir())
 
 
 @pytest.mark.timeout(240)
 def test_profiled_ddp_step_has_one_all_reduce_per_bucket(runs, no_leftovers):
-    cfg = perf.StepConfig(
+    cfg = sweeps.StepConfig(
         dataset="synthetic",
         backend="gloo",
         warmup=1,
@@ -176,38 +182,34 @@ def test_profiled_ddp_step_has_one_all_reduce_per_bucket(runs, no_leftovers):
         profile=True,
         variants=[{"batch_size": 8}, {"batch_size": 4}],
     )
-    result = launch(perf.step_worker, cfg, 2, runs_dir=runs).wait(timeout=200)
+    result = launch(sweeps.step_worker, cfg, 2, runs_dir=runs).wait(timeout=200)
     for rank in (0, 1):
         value, second = result.values[rank]
-        assert (
-            "trace" not in second and len(value["step_times"]) == 2
-        )  # the profiled step is not timed
-        events = perf.trace_events(value["trace"])
+        # the profiled step is not timed
+        assert "trace" not in second and len(value["step_times"]) == 2
+        events = timing.trace_events(value["trace"])
         comm = [e for e in events if e["kind"] == "all_reduce"]
         backward = [e for e in events if e["kind"] == "backward"]
-        assert [e["name"] for e in comm] == ["gloo:all_reduce"] * len(
-            cm.bucket_layout(value["grad_bytes"], 25 * MIB, MIB)
-        )
-        first_comm = min(
-            e["start"] for e in comm
-        )  # during backward: after its start, before its end
-        assert len(comm) == 2 and min(e["start"] for e in backward) < first_comm < max(
-            e["start"] + e["dur"] for e in backward
-        )
+        buckets = costmodel.bucket_layout(value["grad_bytes"], 25 * MIB, MIB)
+        assert [e["name"] for e in comm] == ["gloo:all_reduce"] * len(buckets)
+        # the first all-reduce runs during backward: after its start, before its end
+        first_comm = min(e["start"] for e in comm)
+        backward_end = max(e["start"] + e["dur"] for e in backward)
+        assert len(comm) == 2 and min(e["start"] for e in backward) < first_comm < backward_end
         assert sum(e["kind"] == "forward" for e in events) == 1
 
 
 @pytest.mark.timeout(240)
 def test_sweep_and_step_workers_report_every_point(runs, no_leftovers):
     sweep = launch(
-        perf.sweep_worker,
-        perf.SweepConfig(sizes=[4096, 65536], repeats=2, backend="gloo"),
+        sweeps.sweep_worker,
+        sweeps.SweepConfig(sizes=[4096, 65536], repeats=2, backend="gloo"),
         2,
         runs_dir=runs,
     )
     steps = launch(
-        perf.step_worker,
-        perf.StepConfig(
+        sweeps.step_worker,
+        sweeps.StepConfig(
             dataset="synthetic",
             backend="gloo",
             warmup=1,
@@ -218,8 +220,8 @@ def test_sweep_and_step_workers_report_every_point(runs, no_leftovers):
         runs_dir=runs,
     )
     alone = launch(
-        perf.step_worker,
-        perf.StepConfig(
+        sweeps.step_worker,
+        sweeps.StepConfig(
             dataset="synthetic",
             backend="gloo",
             warmup=1,
@@ -231,7 +233,7 @@ def test_sweep_and_step_workers_report_every_point(runs, no_leftovers):
     )
     records = sweep.wait(timeout=200).values[0]
     assert [(r["op"], r["nbytes"]) for r in records] == [
-        (op, s) for op in cm.COLLECTIVES for s in (4096, 65536)
+        (op, s) for op in costmodel.COLLECTIVES for s in (4096, 65536)
     ]
     assert all(len(r["times"]) == 2 and r["world_size"] == 2 for r in records)
     variants = steps.wait(timeout=200).values[1]
@@ -242,11 +244,8 @@ def test_sweep_and_step_workers_report_every_point(runs, no_leftovers):
     assert all(v["world_size"] == 2 for v in variants)
     alone = alone.wait(timeout=200).values
     assert alone[1][0] == {"batch_size": 8, "mode": "alone", "idle": True}  # rank 1 waited
-    assert [alone[0][0]["world_size"], alone[0][1]["world_size"], alone[1][1]["world_size"]] == [
-        1,
-        1,
-        1,
-    ]
+    trained_alone = [alone[0][0], alone[0][1], alone[1][1]]
+    assert [v["world_size"] for v in trained_alone] == [1, 1, 1]
 
 
 def test_scaling_ratios_by_hand():
@@ -266,7 +265,7 @@ def test_scaling_ratios_by_hand():
         + runs("ddp", 60, 180)
         + runs("ddp", 1, 1, static_graph=True),
     }
-    rows = cm.scaling_ratios(values)
+    rows = scaling.scaling_ratios(values)
     assert rows == [
         {
             "batch_size": 32,

@@ -1,4 +1,5 @@
-"""Chapter 07: memory formula vs tensors held, ZeRO by hand, FSDP2, collectives, checkpoints, refusals.
+"""Chapter 07: memory formula vs tensors held, ZeRO by hand, FSDP2, collectives, checkpoints,
+refusals.
 
 Two launches in all (2 ranks, then 4 ranks loading what the 2 saved); each returns every check's
 numbers, which the tests below assert on.
@@ -14,17 +15,15 @@ import torch.distributed.checkpoint as dcp
 
 from mgtutorial import launch
 from mgtutorial.runtime import env
-from mgtutorial.sharding import checkpoint as C
-from mgtutorial.sharding import fsdp as F
-from mgtutorial.sharding import memory as M
-from mgtutorial.sharding import zero as S
+from mgtutorial.sharding import checkpoint, fsdp, memory, model
+from mgtutorial.sharding.worker import ShardConfig, worker
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 CFG = dict(blocks=2, width=10, out_features=3, batch_size=8, steps=3)
 
 
 def shapes(cfg=None):
-    return [p.shape for p in S.make_model(cfg or S.ShardConfig(**CFG)).parameters()]
+    return [p.shape for p in model.make_model(cfg or ShardConfig(**CFG)).parameters()]
 
 
 # --- the formula, without processes -----------------------------------------------------------
@@ -33,13 +32,16 @@ def shapes(cfg=None):
 def test_formula_without_padding_is_the_textbook_one():
     sh, n = [(8, 4), (8,), (4, 8)], 4
     psi = sum(math.prod(s) for s in sh)
-    total = lambda scheme, prec="fp32": M.memory_per_rank(sh, n, scheme, prec)["total"]
+
+    def total(scheme, prec="fp32"):
+        return memory.memory_per_rank(sh, n, scheme, prec)["total"]
+
     assert total("ddp") == total("ddp", "mixed") == 16 * psi
     assert total("zero1") == 8 * psi + 8 * psi // n
     assert total("zero2") == 4 * psi + 12 * psi // n
     assert total("zero3") == 16 * psi // n
     assert total("zero1", "mixed") == 4 * psi + 12 * psi // n
-    assert M.memory_per_rank(sh, 1, "zero3")["total"] == 16 * psi
+    assert memory.memory_per_rank(sh, 1, "zero3")["total"] == 16 * psi
 
 
 def test_formula_counts_padding_like_torch_chunk():
@@ -53,28 +55,27 @@ def test_formula_counts_padding_like_torch_chunk():
     ]
     padded = sum(torch.empty(s).chunk(n)[0].numel() for s in sh)
     for r in range(n):
-        m = M.memory_per_rank(sh, n, "zero3", rank=r)
+        m = memory.memory_per_rank(sh, n, "zero3", rank=r)
         assert (m["params"], m["grads"], m["optimizer"]) == (4 * padded, 4 * padded, 8 * owned[r])
     assert owned[0] > owned[-1]  # the last rank owns fewer rows (and none of the head's 3)
     psi = sum(math.prod(s) for s in sh)
-    assert M.memory_per_rank(sh, n, "zero1")["params"] == 4 * n * -(-psi // n) > 4 * psi
+    assert memory.memory_per_rank(sh, n, "zero1")["params"] == 4 * n * -(-psi // n) > 4 * psi
 
 
 def test_formula_refuses_bad_input():
     with pytest.raises(ValueError, match="scheme"):
-        M.memory_per_rank([(4,)], 2, "zero4")
+        memory.memory_per_rank([(4,)], 2, "zero4")
     with pytest.raises(ValueError, match="rank"):
-        M.memory_per_rank([(4,)], 2, "ddp", rank=2)
+        memory.memory_per_rank([(4,)], 2, "ddp", rank=2)
 
 
 def test_calculator_draws_from_the_formula():
-    fig = M.memory_figure(M.memory_table([(1000,)]))
+    fig = memory.memory_figure(memory.memory_table([(1000,)]))
     heights = sorted(round(b.get_height()) for b in fig.axes[0].patches)
-    want = sorted(r[k] for r in M.memory_table([(1000,)]) for k in M.PARTS)
+    want = sorted(r[k] for r in memory.memory_table([(1000,)]) for k in memory.PARTS)
     assert heights == want
-    M.calculator(
-        params_billions=1.0, ranks=4
-    )  # builds the sliders and draws (no handle outside IPython)
+    # builds the sliders and draws (no handle outside IPython)
+    memory.calculator(params_billions=1.0, ranks=4)
 
 
 # --- refusals before any rank starts ------------------------------------------------------------
@@ -85,29 +86,28 @@ def test_calculator_draws_from_the_formula():
     [
         (dict(batch_size=6), 4, "batch_size=6"),
         (dict(mesh_device="cuda"), 2, "mesh_device='cuda' does not match backend 'gloo'"),
-        (dict(parts=["zero", "fdsp"]), 2, "parts"),
+        (dict(parts=["zero", "fdsp"]), 2, "parts=.*must be one of 'zero', 'fsdp'"),
+        (dict(reduce="mean"), 2, "reduce='mean': must be one of 'avg'"),
         (dict(parts=["save"]), 2, "checkpoint_dir"),
     ],
 )
 def test_bad_config_refused_before_launch(kw, nprocs, match, runs, no_leftovers):
     with pytest.raises(ValueError, match=match):
-        launch(S.worker, S.ShardConfig(backend="gloo", **kw), nprocs, runs_dir=runs)
+        launch(worker, ShardConfig(backend="gloo", **kw), nprocs, runs_dir=runs)
     assert not list(runs.iterdir())  # no run directory: nothing started
 
 
-@pytest.mark.filterwarnings(
-    "ignore:torch.distributed is disabled"
-)  # a one-process save, on purpose
+# a one-process save, on purpose
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_checkpoint_of_another_shape_names_the_tensor(tmp_path):
-    dcp.save(
-        S.make_model(S.ShardConfig(**CFG)).state_dict(), checkpoint_id=str(tmp_path), no_dist=True
-    )
-    wider = S.make_model(S.ShardConfig(**{**CFG, "width": 12}))
+    saved = model.make_model(ShardConfig(**CFG)).state_dict()
+    dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
+    wider = model.make_model(ShardConfig(**{**CFG, "width": 12}))
     with pytest.raises(ValueError, match=r"'blocks.0.lin.weight'.*\(10, 10\).*\(12, 12\)"):
-        C.load_dcp(wider, tmp_path)
-    deeper = S.make_model(S.ShardConfig(**{**CFG, "blocks": 3}))
+        checkpoint.load_dcp(wider, tmp_path)
+    deeper = model.make_model(ShardConfig(**{**CFG, "blocks": 3}))
     with pytest.raises(ValueError, match="'blocks.2.lin.weight'"):
-        C.load_dcp(deeper, tmp_path)
+        checkpoint.load_dcp(deeper, tmp_path)
 
 
 # --- two ranks, then four -------------------------------------------------------------------------
@@ -120,20 +120,16 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, ckpt):
-    cfg = S.ShardConfig(
+    cfg = ShardConfig(
         parts=["zero", "fsdp", "counts", "mixed", "meta", "save"], checkpoint_dir=str(ckpt), **CFG
     )
-    return (
-        launch(S.worker, cfg, 2, runs_dir=tmp_path_factory.mktemp("runs")).wait(timeout=240).values
-    )
+    return launch(worker, cfg, 2, runs_dir=tmp_path_factory.mktemp("runs")).wait(timeout=240).values
 
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory, ckpt, two):
-    cfg = S.ShardConfig(parts=["zero", "fsdp", "load"], checkpoint_dir=str(ckpt), **CFG)
-    return (
-        launch(S.worker, cfg, 4, runs_dir=tmp_path_factory.mktemp("runs")).wait(timeout=400).values
-    )
+    cfg = ShardConfig(parts=["zero", "fsdp", "load"], checkpoint_dir=str(ckpt), **CFG)
+    return launch(worker, cfg, 4, runs_dir=tmp_path_factory.mktemp("runs")).wait(timeout=400).values
 
 
 def _check_parity_and_memory(values):
@@ -152,18 +148,13 @@ def _check_parity_and_memory(values):
         }
         assert max(diffs.values()) < 1e-5, diffs
         measured = {**v["zero"]["memory"], **v["fsdp"]["memory"]}
-        for scheme in M.SCHEMES:
-            assert measured[scheme] == M.memory_per_rank(shapes(), n, scheme, rank=r), (
-                scheme,
-                n,
-                r,
-            )
-        assert (
-            v["zero"]["first_grad_diff"] < 1e-6
-        )  # ZeRO's reduced slice == that slice of one process's gradients
-        assert (
-            v["fsdp"]["sum_params_vs_one_process"] < 1e-5
-        )  # AdamW hides a missing ÷ N in the parameters
+        for scheme in memory.SCHEMES:
+            predicted = memory.memory_per_rank(shapes(), n, scheme, rank=r)
+            assert measured[scheme] == predicted, (scheme, n, r)
+        # ZeRO's reduced slice == that slice of one process's gradients
+        assert v["zero"]["first_grad_diff"] < 1e-6
+        # AdamW hides a missing ÷ N in the parameters
+        assert v["fsdp"]["sum_params_vs_one_process"] < 1e-5
         g = v["fsdp"]["first_grads"]
         assert (
             g["avg"]["vs_mean"] < 1e-6 < 1e-2 < g["avg"]["vs_sum"]
@@ -203,13 +194,12 @@ def test_collectives_counted_equal_predicted(two, no_leftovers):
         assert (
             r["counted"]
             == r["predicted"]
-            == F.predicted_collectives(r["blocks"], r["reshard_after_forward"])
+            == fsdp.predicted_collectives(r["blocks"], r["reshard_after_forward"])
         )
     block = 4 * (10 * 10 + 10)
     head = 4 * (3 * 10 + 3)
-    for r in (
-        rows
-    ):  # gathered bytes inside block i: head + block i (resharded) or head + blocks 0..i (kept)
+    # gathered bytes inside block i: head + block i (resharded) or head + blocks 0..i (kept)
+    for r in rows:
         kept = r["reshard_after_forward"] is False
         assert r["alive_bytes"] == [
             head + block * (i + 1 if kept else 1) for i in range(r["blocks"])
@@ -228,16 +218,15 @@ def test_mixed_precision_and_meta_init(two, no_leftovers):
     assert 0 < mp["max_loss_gap"] < 0.05
     for r, v in two.items():
         held = v["mixed"]["memory"]  # at rest: fp32 shards, fp32 gradient shards, fp32 Adam state
-        assert held == M.memory_per_rank(shapes(), 2, "zero3", "fp32", rank=r)
-        assert (
-            held["params"] == 2 * M.memory_per_rank(shapes(), 2, "zero3", "mixed", rank=r)["params"]
-        )
+        assert held == memory.memory_per_rank(shapes(), 2, "zero3", "fp32", rank=r)
+        mixed = memory.memory_per_rank(shapes(), 2, "zero3", "mixed", rank=r)
+        assert held["params"] == 2 * mixed["params"]
         meta = v["meta"]
         assert meta["before"]["device"] == "meta"
         assert (
             meta["params_bytes"]
             == meta["formula"]
-            == M.memory_per_rank(shapes(), 2, "zero3", rank=r)["params"]
+            == memory.memory_per_rank(shapes(), 2, "zero3", rank=r)["params"]
         )
         assert meta["within_init_bound"] and meta["distinct_rows"]
 
@@ -245,13 +234,12 @@ def test_mixed_precision_and_meta_init(two, no_leftovers):
 @pytest.mark.timeout(300)
 def test_full_state_dict_loads_strictly_into_plain_model(two, ckpt, no_leftovers):
     assert two[0]["save"]["files"].keys() == {".metadata", "__0_0.distcp", "__1_0.distcp"}
-    assert two[0]["save"]["full_keys"] == sorted(S.make_model(S.ShardConfig(**CFG)).state_dict())
-    assert (
-        two[1]["save"]["full_keys"] == []
-    )  # cpu_offload=True: only rank 0 receives the full state dict
-    plain = S.make_model(S.ShardConfig(**CFG))
+    assert two[0]["save"]["full_keys"] == sorted(model.make_model(ShardConfig(**CFG)).state_dict())
+    # cpu_offload=True: only rank 0 receives the full state dict
+    assert two[1]["save"]["full_keys"] == []
+    plain = model.make_model(ShardConfig(**CFG))
     plain.load_state_dict(torch.load(ckpt / "full.pt", weights_only=True), strict=True)
-    ref, _ = S.reference(S.ShardConfig(**CFG))
+    ref, _ = model.reference(ShardConfig(**CFG))
     torch.testing.assert_close(plain.state_dict(), ref.state_dict(), **TOL)
 
 
@@ -259,8 +247,8 @@ def test_full_state_dict_loads_strictly_into_plain_model(two, ckpt, no_leftovers
 def test_dcp_saved_on_two_loads_on_four_and_in_one_process(four, ckpt, no_leftovers):
     for v in four.values():
         assert v["load"]["max_diff_before"] > 1e-2 and v["load"]["max_diff_after"] == 0.0
-    one = S.make_model(S.ShardConfig(**{**CFG, "seed": 5}))
-    C.load_dcp(one, ckpt / "dcp")
+    one = model.make_model(ShardConfig(**{**CFG, "seed": 5}))
+    checkpoint.load_dcp(one, ckpt / "dcp")
     torch.testing.assert_close(
         one.state_dict(), torch.load(ckpt / "full.pt", weights_only=True), rtol=0, atol=0
     )
@@ -268,12 +256,13 @@ def test_dcp_saved_on_two_loads_on_four_and_in_one_process(four, ckpt, no_leftov
 
 @pytest.mark.skipif(
     env.gpu_count() < 2,
-    reason="needs 2 CUDA GPUs (NCCL, a 'cuda' mesh); the gloo tests above run the same checks on CPU",
+    reason="needs 2 CUDA GPUs (NCCL, a 'cuda' mesh); the gloo tests above run the same checks "
+    "on CPU",
 )
 @pytest.mark.timeout(300)
 def test_same_checks_on_two_gpus_with_nccl(tmp_path, no_leftovers):
-    cfg = S.ShardConfig(parts=["zero", "fsdp", "counts", "mixed"], backend="nccl", **CFG)
-    values = launch(S.worker, cfg, 2, runs_dir=tmp_path).wait(timeout=240).values
+    cfg = ShardConfig(parts=["zero", "fsdp", "counts", "mixed"], backend="nccl", **CFG)
+    values = launch(worker, cfg, 2, runs_dir=tmp_path).wait(timeout=240).values
     _check_parity_and_memory(values)
     rows = values[0]["counts"]
     assert all(r["counted"] == r["predicted"] for r in rows)
@@ -281,4 +270,4 @@ def test_same_checks_on_two_gpus_with_nccl(tmp_path, no_leftovers):
     assert peak[False] >= peak[True] > 0
     assert values[0]["mixed"]["inside_forward"]["weight"] == "torch.bfloat16"
     for r, v in values.items():  # bf16 compute, yet at rest the fp32 row, as on CPU
-        assert v["mixed"]["memory"] == M.memory_per_rank(shapes(), 2, "zero3", "fp32", rank=r)
+        assert v["mixed"]["memory"] == memory.memory_per_rank(shapes(), 2, "zero3", "fp32", rank=r)

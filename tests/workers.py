@@ -106,7 +106,8 @@ def crash_after_allreduce(cfg: CrashConfig) -> None:
 
 @dataclass(kw_only=True)
 class ProfiledCollectiveConfig:
-    """One call of ``op`` (see :func:`mgtutorial.perf.timing.collective_call`) under ``torch.profiler``."""
+    """One call of ``op`` (see :func:`mgtutorial.perf.sweeps.collective_call`) under
+    ``torch.profiler``."""
 
     op: str = "reduce_scatter"
     nbytes: int = 4096
@@ -116,10 +117,10 @@ def profiled_collective(cfg: ProfiledCollectiveConfig) -> list[str]:
     """The names of the backend's own events (``gloo:...``) that one call of ``cfg.op`` records."""
     import torch
 
-    from mgtutorial.perf import timing as perf
+    from mgtutorial.perf import sweeps
 
     with env.distributed("gloo") as ctx:
-        fn = perf.collective_call(cfg.op, cfg.nbytes, ctx.world_size, ctx.device)
+        fn = sweeps.collective_call(cfg.op, cfg.nbytes, ctx.world_size, ctx.device)
         with torch.profiler.profile() as prof:
             fn()
         return sorted({e.name for e in prof.events() if e.name.startswith("gloo:")})

@@ -54,6 +54,8 @@ def choices(cls, name: str) -> tuple | None:
     args = typing.get_args(hint)
     if typing.get_origin(hint) is typing.Literal:
         return args
+    if typing.get_origin(hint) is list:  # list[Literal[...]]: the choices of every item
+        return typing.get_args(args[0]) if typing.get_origin(args[0]) is typing.Literal else None
     literals = [a for a in args if typing.get_origin(a) is typing.Literal]
     if len(literals) == 1 and set(args) - set(literals) <= {type(None)}:
         return typing.get_args(literals[0]) + ((None,) if type(None) in args else ())
@@ -66,7 +68,8 @@ def check_choices(cfg) -> None:
     for f in dataclasses.fields(cfg):
         allowed = choices(type(cfg), f.name)
         value = getattr(cfg, f.name)
-        if allowed is not None and value not in allowed:
+        items = value if isinstance(value, list) else [value]
+        if allowed is not None and any(v not in allowed for v in items):
             listed = ", ".join(repr(a) for a in allowed)
             raise ValueError(f"{f.name}={value!r}: must be one of {listed}.")
 

@@ -1,5 +1,7 @@
 """Chapter 09: performance: timing, sweeps, and a cost model.
 
-- ``timing``: timing on CPU and GPU, collective sweeps, the timed trainer
-- ``costmodel``: pure arithmetic (bus bandwidth, ring time, DDP step, MFU)
+- ``timing``: timing on CPU and GPU (warm-up, barrier, synchronize, CUDA events), a profiler trace
+- ``sweeps``: collective sweeps, the timed trainer and its step worker
+- ``costmodel``: what communication costs (bus bandwidth, α–β, ring time, DDP step, hardware)
+- ``scaling``: what compute costs and how a step scales (FLOPs, MFU, scaling ratios, a cluster)
 """

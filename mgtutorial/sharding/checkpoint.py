@@ -1,14 +1,16 @@
 """Checkpoints of a sharded (FSDP2) model: a full state dict for one process, and a distributed
 checkpoint (DCP) that every rank writes its shard of and any number of ranks can load.
 
-Taught in notebooks/07_sharding.ipynb. Follows
+Taught in notebooks/07_sharding.ipynb, section 9. Follows
 https://pytorch.org/docs/stable/distributed.checkpoint.html (``dcp.save`` / ``dcp.load``,
 ``get_model_state_dict`` / ``set_model_state_dict``) and
 https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html.
+:func:`part_save` and :func:`part_load` run inside :func:`mgtutorial.sharding.worker.worker`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -22,8 +24,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from mgtutorial.sharding import fsdp as F
-from mgtutorial.sharding import zero as S
+from mgtutorial.common.compare import max_abs_diff
+from mgtutorial.sharding.fsdp import apply_fsdp, mesh_for
+from mgtutorial.sharding.model import make_model, train
 
 
 def check_checkpoint(checkpoint_id: str | os.PathLike, state_dict: dict) -> None:
@@ -55,13 +58,13 @@ def full_state_dict(model) -> dict:
 
 
 def load_dcp(model, checkpoint_id: str | os.PathLike) -> None:
-    """Load a DCP checkpoint into ``model``: sharded (inside a process group) or plain (one process)."""
+    """Load a DCP checkpoint into ``model``: sharded (inside a process group) or plain (one
+    process). Raises ValueError first if the shapes differ (:func:`check_checkpoint`)."""
     sharded = dist.is_initialized()
     sd = get_model_state_dict(model) if sharded else model.state_dict()
     check_checkpoint(checkpoint_id, sd)
-    with (
-        warnings.catch_warnings()
-    ):  # one process on purpose: DCP's "assuming single process" note is noise
+    with warnings.catch_warnings():
+        # one process on purpose: DCP's "assuming single process" note is noise
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(sd, checkpoint_id=str(checkpoint_id), no_dist=not sharded)
     if sharded:
@@ -76,11 +79,12 @@ def files_written(folder: str | os.PathLike) -> dict[str, int]:
 
 
 def part_save(cfg, ctx) -> dict:
-    """Train FSDP2 ``cfg.steps`` steps, then write ``full.pt`` (rank 0) and ``dcp/`` (every rank)."""
+    """Train FSDP2 ``cfg.steps`` steps, then write ``full.pt`` (rank 0) and ``dcp/`` (every
+    rank)."""
     root = Path(cfg.checkpoint_dir)
-    model = F.apply_fsdp(S.make_model(cfg).to(ctx.device), F.mesh_for(cfg, ctx))
+    model = apply_fsdp(make_model(cfg).to(ctx.device), mesh_for(cfg, ctx))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    S.train(model, opt.step, cfg, ctx, opt.zero_grad)
+    train(model, opt.step, cfg, ctx, opt.zero_grad)
     full = full_state_dict(model)
     if ctx.is_main:
         root.mkdir(parents=True, exist_ok=True)
@@ -100,14 +104,14 @@ def part_save(cfg, ctx) -> dict:
 def part_load(cfg, ctx) -> dict:
     """Load ``dcp/`` into a freshly sharded model (any world size); compare with ``full.pt``."""
     root = Path(cfg.checkpoint_dir)
-    fresh = S.ShardConfig(**{**cfg.__dict__, "seed": cfg.seed + 1})  # other weights before loading
-    model = F.apply_fsdp(S.make_model(fresh).to(ctx.device), F.mesh_for(cfg, ctx))
+    fresh = dataclasses.replace(cfg, seed=cfg.seed + 1)  # other weights before loading
+    model = apply_fsdp(make_model(fresh).to(ctx.device), mesh_for(cfg, ctx))
     saved = torch.load(root / "full.pt", map_location="cpu", weights_only=True)
-    before = S.max_diff(get_model_state_dict(model), saved)
+    before = max_abs_diff(get_model_state_dict(model), saved)
     load_dcp(model, root / "dcp")
     return {
         "max_diff_before": before,
-        "max_diff_after": S.max_diff(get_model_state_dict(model), saved),
+        "max_diff_after": max_abs_diff(get_model_state_dict(model), saved),
         "local_shards": {
             k: list(v.to_local().shape) for k, v in get_model_state_dict(model).items()
         },

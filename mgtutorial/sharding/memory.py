@@ -1,7 +1,7 @@
 """Bytes per rank of DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP): the formula, the measurement, the chart.
 
-Taught in notebooks/07_sharding.ipynb. Follows the ZeRO paper's accounting (Rajbhandari et al.,
-"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", §3) and
+Taught in notebooks/07_sharding.ipynb, sections 1–4. Follows the ZeRO paper's accounting
+(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", §3) and
 https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html (how FSDP2 shards dim 0).
 
 For Ψ parameters trained with Adam(W), one rank of plain DDP holds
@@ -13,16 +13,17 @@ precision      bytes   params + grads + optimizer state
 ``mixed``      16Ψ     2Ψ (bf16) + 2Ψ (bf16) + 12Ψ (fp32 master copy, exp_avg, exp_avg_sq)
 =============  ======  ====================================================================
 
-``mixed`` is the ZeRO paper's mixed precision (half-precision parameters and gradients in the model,
-the fp32 master copy in the optimizer). FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16)``
-keeps fp32 parameter and gradient shards (bf16 only in the gathered copies), so between steps it
-holds the ``fp32`` row (measured in notebooks/07_sharding.ipynb, section 7).
-
 and sharding over N ranks divides the optimizer state (ZeRO-1), also the gradients (ZeRO-2), also
-the parameters (ZeRO-3 / FSDP) by N. Exactly, with the padding the implementations add:
+the parameters (ZeRO-3 / FSDP) by N. ``mixed`` is the ZeRO paper's mixed precision (half-precision
+parameters and gradients in the model, the fp32 master copy in the optimizer). FSDP2 with
+``MixedPrecisionPolicy(param_dtype=bfloat16)`` keeps fp32 parameter and gradient shards (bf16 only
+in the gathered copies), so between steps it holds the ``fp32`` row (measured in
+notebooks/07_sharding.ipynb, section 7).
 
-* ZeRO-1/2 as written in :mod:`mgtutorial.sharding.zero` flatten all parameters into one buffer padded to
-  N·S elements, S = ⌈Ψ/N⌉; each rank owns one slice of S elements;
+The formula is exact, with the padding the implementations add:
+
+* ZeRO-1/2 as written in :mod:`mgtutorial.sharding.zero` flatten all parameters into one buffer
+  padded to N·S elements, S = ⌈Ψ/N⌉; each rank owns one slice of S elements;
 * FSDP2 shards every parameter along dim 0 in chunks of c = ⌈d₀/N⌉ rows (``torch.chunk``): the
   parameter and gradient storages are padded to c rows on every rank, the optimizer state (created
   with ``zeros_like`` from the unpadded local shard) holds only the rows rank r owns.
@@ -32,17 +33,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Literal, get_args
 
 import torch
 
-SCHEMES = ("ddp", "zero1", "zero2", "zero3")
-BYTES_PER_PARAM = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
-"""Bytes per parameter of (params, grads, optimizer state) for Adam(W); "mixed" as the ZeRO paper counts it."""
+Scheme = Literal["ddp", "zero1", "zero2", "zero3"]
+"""What each rank keeps in full: everything (DDP), all but the optimizer state (ZeRO-1), the
+parameters only (ZeRO-2), nothing (ZeRO-3 / FSDP)."""
+SCHEMES = get_args(Scheme)
+Precision = Literal["fp32", "mixed"]
+BYTES_PER_PARAM: dict[Precision, tuple[int, int, int]] = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
+"""Bytes per parameter of (params, grads, optimizer state) for Adam(W); "mixed" as the ZeRO
+paper counts it."""
 PARTS = ("params", "grads", "optimizer")
+Unit = Literal["B", "GB"]
+"""Bytes, or GB (10⁹ bytes), in tables and figures."""
+DIVISOR: dict[Unit, float] = {"B": 1, "GB": 1e9}
 
 
 def rows_owned(d0: int, world_size: int, rank: int) -> int:
-    """Rows of a dim-0 size ``d0`` that rank ``rank`` owns under ``torch.chunk`` (what FSDP2 does)."""
+    """Rows of a dim-0 size ``d0`` that rank ``rank`` owns under ``torch.chunk`` (what FSDP2
+    does): ⌈d0/N⌉, fewer on the last ranks, possibly 0."""
     c = math.ceil(d0 / world_size)
     return max(0, min(c, d0 - rank * c))
 
@@ -50,16 +61,18 @@ def rows_owned(d0: int, world_size: int, rank: int) -> int:
 def memory_per_rank(
     shapes: Iterable[Sequence[int]],
     world_size: int,
-    scheme: str,
-    precision: str = "fp32",
+    scheme: Scheme,
+    precision: Precision = "fp32",
     rank: int = 0,
 ) -> dict[str, int]:
     """Bytes that rank ``rank`` holds for parameters, gradients and Adam(W) state.
 
     Args:
-        shapes: the parameters' shapes, e.g. ``[p.shape for p in model.parameters()]``; ``[(Ψ,)]`` for
-            a model described only by its size.
-        world_size: N ≥ 1. scheme: one of :data:`SCHEMES`. precision: "fp32" | "mixed".
+        shapes: the parameters' shapes, e.g. ``[p.shape for p in model.parameters()]``;
+            ``[(Ψ,)]`` for a model described only by its size.
+        world_size: N ≥ 1.
+        scheme: one of :data:`Scheme`.
+        precision: "fp32" | "mixed" (the rows of :data:`BYTES_PER_PARAM`).
         rank: which rank (only FSDP2's optimizer state differs between ranks).
 
     Returns:
@@ -96,8 +109,9 @@ def memory_per_rank(
     return out
 
 
-def memory_table(shapes, ranks=(1, 2, 4), precision: str = "fp32") -> list[dict]:
-    """One row per (scheme, N): ``{"scheme", "N", "params", "grads", "optimizer", "total"}`` for rank 0."""
+def memory_table(shapes, ranks=(1, 2, 4), precision: Precision = "fp32") -> list[dict]:
+    """One row per (scheme, N): ``{"scheme", "N", "params", "grads", "optimizer", "total"}``
+    (bytes of rank 0)."""
     return [
         {"scheme": sch, "N": n, **memory_per_rank(shapes, n, sch, precision)}
         for sch in SCHEMES
@@ -146,9 +160,10 @@ def measure(
     return out
 
 
-def format_table(rows: list[dict], unit: str = "B") -> str:
-    """Rows of :func:`memory_table` (or measured rows of the same keys) as a fixed-width text table."""
-    div = {"B": 1, "GB": 1e9}[unit]
+def format_table(rows: list[dict], unit: Unit = "B") -> str:
+    """Rows of :func:`memory_table` (or measured rows of the same keys) as a fixed-width text
+    table, in bytes (``unit="B"``) or GB (``"GB"``, 10⁹ bytes)."""
+    div = DIVISOR[unit]
     head = f"{'scheme':<7}{'N':>3}" + "".join(f"{k:>12}" for k in (*PARTS, "total"))
     lines = [head] + [
         f"{r['scheme']:<7}{r['N']:>3}"
@@ -158,11 +173,12 @@ def format_table(rows: list[dict], unit: str = "B") -> str:
     return "\n".join(lines)
 
 
-def memory_figure(rows: list[dict], unit: str = "B", title: str = ""):
-    """Stacked bars (params, grads, optimizer) per (scheme, N), drawn from rows of :func:`memory_table`."""
+def memory_figure(rows: list[dict], unit: Unit = "B", title: str = ""):
+    """Stacked bars (params, grads, optimizer) per (scheme, N), drawn from rows of
+    :func:`memory_table`; returns a matplotlib ``Figure``."""
     from matplotlib.figure import Figure
 
-    div = {"B": 1, "GB": 1e9}[unit]
+    div = DIVISOR[unit]
     fig = Figure(figsize=(8, 3.2), layout="constrained")
     ax = fig.subplots()
     labels = [f"{r['scheme']}\nN={r['N']}" for r in rows]
@@ -178,21 +194,27 @@ def memory_figure(rows: list[dict], unit: str = "B", title: str = ""):
     return fig
 
 
-def calculator(params_billions: float = 7.0, ranks: int = 8, precision: str = "mixed"):
-    """Sliders (parameters, ranks, schemes, precision) redrawing the per-rank bars from :func:`memory_per_rank`.
+def calculator(params_billions: float = 7.0, ranks: int = 8, precision: Precision = "mixed"):
+    """Sliders (parameters, ranks, schemes, precision) redrawing the per-rank bars from
+    :func:`memory_per_rank`.
 
     Shows the sliders, then the figure as an ordinary image output (so a saved notebook shows the
-    first one without a kernel), replaced in place whenever a slider moves. Returns the display handle.
+    first one without a kernel), replaced in place whenever a slider moves. Returns the display
+    handle (None outside IPython).
     """
-    import ipywidgets as W
+    import ipywidgets as widgets
     from IPython.display import Image, display
 
     from mgtutorial.runtime.live import figure_png
 
-    psi = W.FloatLogSlider(value=params_billions, base=10, min=-1, max=3, description="params (B)")
-    n = W.IntSlider(value=ranks, min=1, max=64, description="ranks N")
-    prec = W.ToggleButtons(options=tuple(BYTES_PER_PARAM), value=precision, description="precision")
-    schemes = W.SelectMultiple(options=SCHEMES, value=SCHEMES, description="schemes")
+    psi = widgets.FloatLogSlider(
+        value=params_billions, base=10, min=-1, max=3, description="params (B)"
+    )
+    n = widgets.IntSlider(value=ranks, min=1, max=64, description="ranks N")
+    prec = widgets.ToggleButtons(
+        options=tuple(BYTES_PER_PARAM), value=precision, description="precision"
+    )
+    schemes = widgets.SelectMultiple(options=SCHEMES, value=SCHEMES, description="schemes")
 
     def image():
         shapes = [(int(psi.value * 1e9),)]
@@ -205,7 +227,7 @@ def calculator(params_billions: float = 7.0, ranks: int = 8, precision: str = "m
             figure_png(memory_figure(rows, "GB", f"{psi.value:.1f} B parameters, Adam(W), {label}"))
         )
 
-    display(W.VBox([W.HBox([psi, n]), W.HBox([prec, schemes])]))
+    display(widgets.VBox([widgets.HBox([psi, n]), widgets.HBox([prec, schemes])]))
     handle = display(image(), display_id=True)
     for w in (psi, n, prec, schemes):
         w.observe(lambda _: handle.update(image()), names="value")

@@ -1,0 +1,126 @@
+"""Checker of chapter 09's exercise 09.3 (notebooks/09_performance.ipynb): the buckets DDP
+all-reduces for a tiny ``bucket_cap_mb``, reached as ``ex.ch09.buckets``.
+
+The prediction is compared with step 2 of a real 2-rank DDP run (chapter 03b's counting hook,
+:func:`mgtutorial.ddp.internals.hooks_worker`) and with
+:func:`mgtutorial.perf.costmodel.bucket_layout`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from mgtutorial.common import models
+from mgtutorial.ddp import internals as ddp_internals
+from mgtutorial.exercises._common import answered, passed, require, run_ranks
+from mgtutorial.perf import costmodel
+from mgtutorial.runtime import runlog
+
+CAP_MB = 0.0001
+"""09.3's ``bucket_cap_mb``."""
+
+
+def _ddp_buckets() -> tuple[list[int], list[int]]:
+    """Bytes per bucket of steps 1 and 2 of a 2-rank DDP run of the chapter's CNN with
+    ``bucket_cap_mb=CAP_MB`` (a counting communication hook, chapter 03b); DDP rebuilds its
+    buckets after step 1."""
+    cfg = ddp_internals.HooksConfig(
+        bucket_cap_mb=CAP_MB, max_steps=2, epochs=1, dataset="digits", evaluate=False, batch_size=8
+    )
+    result = run_ranks("09.3 buckets", ddp_internals.hooks_worker, cfg, 2, name="buckets")
+    steps = [r for r in runlog.of_kind(runlog.read_run(result.run_dir), "sync") if r["rank"] == 0]
+    return tuple([4 * n for n in steps[i]["bucket_sizes"]] for i in (0, -1))  # float32: 4 bytes
+
+
+def _layouts(cap_bytes: int, backward: bool = True) -> list[list[int]]:
+    """:func:`mgtutorial.perf.costmodel.bucket_layout` over ``reversed(parameters())`` (or,
+    ``backward=False``, the forward order), first, and with the weight and bias of any layers in
+    the other order."""
+    layers: dict[str, list[int]] = {}
+    params = list(models.ArticleCNN().named_parameters())
+    for name, p in reversed(params) if backward else params:
+        layers.setdefault(name.rsplit(".", 1)[0], []).append(p.numel() * p.element_size())
+    return [
+        costmodel.bucket_layout(
+            [
+                b
+                for flip, sizes in zip(flips, layers.values())
+                for b in (sizes[::-1] if flip else sizes)
+            ],
+            cap_bytes,
+        )
+        for flips in itertools.product((False, True), repeat=len(layers))
+    ]
+
+
+def buckets(cap_bytes: int, predicted=...) -> None:
+    """09.3: ``cap_bytes`` (``bucket_cap_mb=0.0001`` in bytes, as DDP rounds it) and ``predicted``
+    (list of ints), the bytes of each bucket DDP all-reduces per step for ``models.ArticleCNN()``
+    once it has rebuilt its buckets, in order. Compared with step 2 of a real 2-rank DDP run; the
+    weight and bias of a layer may come in either order."""
+    ex = "09.3 buckets"
+    require(
+        cap_bytes == int(CAP_MB * 1024 * 1024),
+        ex,
+        f"cap_bytes = {cap_bytes!r}: bucket_cap_mb is in MiB; "
+        "DDP uses int(bucket_cap_mb * 1024 * 1024) bytes",
+    )
+    guess = answered(predicted, ex, "predicted")
+    require(
+        isinstance(guess, (list, tuple)) and all(isinstance(b, int) for b in guess),
+        ex,
+        f"predicted = {guess!r}: a list of ints, the bytes of each bucket",
+    )
+    total = sum(p.numel() * p.element_size() for p in models.ArticleCNN().parameters())
+    require(
+        sum(guess) == total,
+        ex,
+        f"your buckets hold {sum(guess):,} bytes, the 6 gradients {total:,}: each "
+        "gradient sits in exactly one bucket, numel() × 4 bytes (float32)",
+    )
+    (first,), later = _ddp_buckets()
+    layouts = _layouts(cap_bytes)
+    require(
+        later in layouts,
+        ex,
+        f"DDP made buckets {later} from step 2 on, which no order of each layer's weight "
+        "and bias explains: DDP's rule has changed in this torch version",
+    )
+    if list(guess) not in layouts:
+        near = {len(b): b for b in layouts}.get(len(guess))
+        require(
+            len(guess) != 1,
+            ex,
+            "one bucket is DDP's first step, before it knows the order gradients arrive "
+            "in; predict the buckets it rebuilds for step 2 and after",
+        )
+        require(
+            list(guess) not in _layouts(cap_bytes, backward=False),
+            ex,
+            "these are the buckets in forward order, "
+            "conv1 first: backward produces the last layer's gradients first (fc2)",
+        )
+        require(
+            near is not None,
+            ex,
+            f"DDP all-reduced {len(later)} buckets per step from step 2 on, not {len(guess)}: a "
+            f"bucket closes as soon as it holds at least {cap_bytes} bytes; a smaller gradient "
+            "joins the next one",
+        )
+        require(
+            False,
+            ex,
+            f"the right count, {len(guess)}, but not DDP's bytes: go from fc2 back to conv1, "
+            f"closing a bucket once it holds at least {cap_bytes} bytes",
+        )
+    layout = layouts[0]
+    note = (
+        "the same"
+        if layout == later
+        else f"{layout}: the same, in another order (DDP's is the real arrival order)"
+    )
+    passed(
+        ex,
+        f"from step 2 on DDP all-reduces {len(later)} buckets, {later} bytes, as predicted (step "
+        f"1: one of {first:,}); bucket_layout over reversed(parameters()) gives {note}",
+    )

@@ -1,0 +1,266 @@
+"""Sweeps that measure: every collective over message sizes, and DDP steps split into forward,
+backward and optimizer phases over batch sizes, modes and DDP's switches.
+
+Taught in notebooks/09_performance.ipynb, sections 2, 4–6. The clocks are
+:mod:`mgtutorial.perf.timing`'s; the results feed :mod:`mgtutorial.perf.costmodel` (α–β fit,
+step-time model) and :func:`mgtutorial.perf.scaling.scaling_ratios`. Follows
+https://pytorch.org/docs/stable/distributed.html (collectives) and
+https://pytorch.org/docs/stable/notes/ddp.html. From the shell (2 ranks)::
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/collectives.py --out collectives.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+import torch.distributed as dist
+
+from mgtutorial import ddp
+from mgtutorial.common.config import Config
+from mgtutorial.perf import costmodel
+from mgtutorial.perf.timing import sync, time_op
+from mgtutorial.runtime import env, runlog
+
+KIB, MIB = 1024, 1024 * 1024
+Mode = Literal["ddp", "independent", "alone"]
+"""How a variant of :func:`step_worker` trains (see :attr:`StepConfig.variants`)."""
+MODES = get_args(Mode)
+
+
+def collective_call(op: costmodel.Collective, nbytes: int, world_size: int, device: torch.device):
+    """A zero-argument function running ``op`` on float32 tensors of nccl-tests' size ``nbytes``.
+
+    all_reduce/broadcast: a buffer of ``nbytes``; all_gather: each rank sends ``nbytes / n`` and
+    receives ``nbytes``; reduce_scatter: each rank sends ``nbytes`` and keeps ``nbytes / n``.
+    """
+    numel = max(world_size, nbytes // 4 // world_size * world_size)
+    full = torch.ones(numel, device=device)
+    part = torch.ones(numel // world_size, device=device)
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "broadcast": lambda: dist.broadcast(full, src=0),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+    }
+    return calls[op]
+
+
+@dataclass(kw_only=True)
+class SweepConfig(Config):
+    """Configuration of :func:`sweep_worker`."""
+
+    ops: list[costmodel.Collective] = field(
+        default_factory=lambda: ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+    )
+    """Collectives to time (see :data:`mgtutorial.perf.costmodel.Collective`)."""
+    sizes: list[int] = field(default_factory=lambda: [4 * KIB * 4**i for i in range(7)])
+    """Tensor sizes in bytes (nccl-tests' size; default 4 KiB … 16 MiB)."""
+    warmup: int = 2
+    """Untimed calls per (op, size)."""
+    repeats: int = 5
+    """Timed calls per (op, size); the median is kept."""
+    backend: env.BackendChoice = "auto"
+    """"auto" | "gloo" | "nccl"."""
+    timeout_s: float = 120.0
+    """Collective timeout in seconds."""
+
+    def validate(self, nprocs: int) -> None:
+        """Raises ValueError for an unknown op, a size < 4 bytes or fewer than 1 repeat."""
+        super().validate(nprocs)  # ops and backend: among their choices
+        if min(self.sizes) < 4 or self.repeats < 1 or self.warmup < 0:
+            raise ValueError(
+                f"sizes ≥ 4 bytes, repeats ≥ 1, warmup ≥ 0 (got {min(self.sizes)}, "
+                f"{self.repeats}, {self.warmup})."
+            )
+
+
+def sweep_worker(cfg: SweepConfig) -> list[dict]:
+    """Time every (op, size) on every rank; the collective's time is the *slowest* rank's.
+
+    Logs and returns ``kind="collective_time"`` records: ``op``, ``nbytes``, ``world_size``,
+    ``time_s`` (median over repeats of the max over ranks), ``times`` (s).
+    """
+    with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
+        out = []
+        for op in cfg.ops:
+            for nbytes in cfg.sizes:
+                fn = collective_call(op, nbytes, ctx.world_size, ctx.device)
+                seconds = time_op(fn, ctx.device, cfg.warmup, cfg.repeats, barrier=True)
+                t = torch.tensor(seconds, device=ctx.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # done when the last rank is done
+                times = t.tolist()
+                record = log.write(
+                    kind="collective_time",
+                    op=op,
+                    nbytes=nbytes,
+                    world_size=ctx.world_size,
+                    time_s=statistics.median(times),
+                    times=times,
+                )
+                out.append(record)
+        return out
+
+
+class TimedTrainer(ddp.Trainer):
+    """Chapter 02's Trainer whose ``_run_batch`` also times forward, backward and optimizer step.
+
+    ``self.phases`` gets one ``(start, fwd_s, bwd_s, opt_s)`` tuple per step (perf_counter s);
+    the time between two starts is the whole step (data loading and logging included). On a GPU
+    the phases end with :func:`~mgtutorial.perf.timing.sync`, which costs some overlap but makes
+    the split honest. Step number ``profile_step`` (if set) runs under ``torch.profiler`` and its
+    Chrome trace goes to ``trace``.
+    """
+
+    def __init__(self, *args, profile_step: int | None = None, trace: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.phases: list[tuple[float, float, float, float]] = []
+        self.profile_step, self.trace = profile_step, trace
+
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self.step != self.profile_step:
+            return self._timed_batch(x, y)
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = [ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else []
+        with profile(activities=[ProfilerActivity.CPU, *cuda]) as prof:
+            loss = self._timed_batch(x, y)
+        prof.export_chrome_trace(self.trace)
+        return loss
+
+    def _timed_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(x), y)
+        sync(self.ctx.device)
+        t1 = time.perf_counter()
+        # DDP's all-reduces run during this call; gloo waits for the last one at its end
+        loss.backward()
+        sync(self.ctx.device)
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        sync(self.ctx.device)
+        self.phases.append((t0, t1 - t0, t2 - t1, time.perf_counter() - t2))
+        return loss.item()
+
+
+VARIANT_KEYS = ("batch_size", "mode", "bucket_cap_mb", "gradient_as_bucket_view", "static_graph")
+"""The keys a variant of :attr:`StepConfig.variants` may have."""
+
+
+@dataclass(kw_only=True)
+class StepConfig(ddp.DDPConfig):
+    """:class:`~mgtutorial.ddp.DDPConfig` plus the variants :func:`step_worker` times in turn."""
+
+    variants: list[dict] = field(default_factory=lambda: [{"batch_size": 32}])
+    """Each a dict of ``batch_size``, ``mode`` (:data:`Mode`) and DDP keywords
+    (``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``); every variant trains
+    ``warmup + steps`` steps with a fresh model, all ranks starting it together (a barrier).
+    ``mode``: "ddp" (default); "independent": each rank trains alone (no DDP, no collectives)
+    on the whole data set, N independent trainings at once, the machine's ceiling; "alone":
+    rank 0 trains alone while the others wait (idle) at a barrier."""
+    warmup: int = 3
+    """Steps per variant that are not counted."""
+    steps: int = 10
+    """Timed steps per variant."""
+    profile: bool = False
+    """Train one more step of the first "ddp" variant under ``torch.profiler`` (not timed); each
+    rank writes its Chrome trace to ``<run dir>/trace_rank<r>.json``."""
+
+    def validate(self, nprocs: int) -> None:
+        """DDPConfig's checks, plus warmup ≥ 1 (DDP rebuilds its buckets after step 1), steps ≥ 2
+        and variants with known keys and modes."""
+        super().validate(nprocs)
+        if self.warmup < 1 or self.steps < 2:
+            raise ValueError(
+                f"warmup={self.warmup}, steps={self.steps}: need warmup ≥ 1 and steps ≥ 2."
+            )
+        for v in self.variants:
+            if set(v) - set(VARIANT_KEYS) or v.get("mode", "ddp") not in MODES:
+                raise ValueError(
+                    f"variant {v}: keys must be among {sorted(VARIANT_KEYS)}, mode one of {MODES}."
+                )
+
+
+def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None, barrier: bool) -> dict:
+    """Train one variant of ``cfg`` on ``ctx`` (a world of one for the modes that train alone);
+    its medians and step times, as :func:`step_worker` returns them. ``trace``: profile one more
+    step and write its Chrome trace there; ``barrier``: start training at a barrier of the whole
+    job (which the ranks of the alone modes join too)."""
+    n = cfg.warmup + cfg.steps
+    kwargs = {k: v for k, v in variant.items() if k not in ("batch_size", "mode")}
+    run_cfg = dataclasses.replace(
+        cfg,
+        batch_size=variant.get("batch_size", cfg.batch_size),
+        max_steps=n + (trace is not None),
+        epochs=10_000,
+        evaluate=False,
+    )
+    wrap = functools.partial(ddp.apply_ddp, **kwargs)
+    model, train_set, test_set, optimizer = ddp.build(run_cfg, ctx, wrap=wrap)
+    trainer = TimedTrainer(
+        model,
+        train_set,
+        test_set,
+        optimizer,
+        ctx,
+        run_cfg,
+        profile_step=n if trace else None,
+        trace=trace,
+    )
+    if barrier:
+        dist.barrier()
+    trainer.train()
+    timed = trainer.phases[cfg.warmup : n]
+    starts = [p[0] for p in trainer.phases[cfg.warmup : n + 1]]
+    steps = [b - a for a, b in zip(starts, starts[1:])]
+    extra = {}
+    if trace:
+        extra["trace"] = trace
+        extra["grad_bytes"] = [
+            p.numel() * p.element_size() for p in reversed(list(model.parameters()))
+        ]
+    phases = ("fwd_s", "bwd_s", "opt_s")
+    return {
+        **variant,
+        **extra,
+        "world_size": ctx.world_size,
+        "step_times": steps,
+        **{k: statistics.median(p[i] for p in timed) for i, k in enumerate(phases, 1)},
+        "step_s": statistics.median(steps),
+        "samples_per_s": run_cfg.batch_size / statistics.median(steps),
+    }
+
+
+def step_worker(cfg: StepConfig) -> list[dict]:
+    """Train each variant of ``cfg`` and return the median phase times per variant (rank's view).
+
+    Returns dicts: the variant, ``world_size`` (1 unless "ddp"), ``fwd_s``, ``bwd_s``, ``opt_s``,
+    ``step_s`` (medians over the timed steps), ``samples_per_s`` (this rank), ``step_times`` (s);
+    ``{**variant, "idle": True}`` where a rank waited. With ``profile``, the first "ddp" one also
+    has ``trace`` (its path) and ``grad_bytes`` (per parameter, in the order backward produces
+    them here, for :func:`mgtutorial.perf.costmodel.bucket_layout`).
+    """
+    with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
+        out = []
+        modes = [v.get("mode", "ddp") for v in cfg.variants]
+        profiled = modes.index("ddp") if cfg.profile and "ddp" in modes else None
+        for i, (variant, mode) in enumerate(zip(cfg.variants, modes)):
+            if mode == "alone" and ctx.rank != 0:
+                dist.barrier()  # rank 0's start; its end is the next variant's barrier
+                out.append({**variant, "idle": True})
+                continue
+            own = (
+                ctx
+                if mode == "ddp"
+                else dataclasses.replace(ctx, rank=0, world_size=1, initialized=False)
+            )
+            trace = str(runlog.run_dir() / f"trace_rank{ctx.rank}.json") if i == profiled else None
+            out.append(run_variant(cfg, own, variant, trace, barrier=ctx.initialized))
+        return out

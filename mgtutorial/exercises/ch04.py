@@ -1,7 +1,6 @@
 """Checkers of chapter 04's exercises (notebooks/04_model_parallel.ipynb): the bubble formula, the
 peak activation bytes of each stage under GPipe and 1F1B, a balanced split of the MLP into
-stages, and the weighting of micro-batch losses. :func:`smallest_largest_stage` serves chapter
-06b's split too."""
+stages, and the weighting of micro-batch losses."""
 
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from mgtutorial.exercises._common import (
     require,
     run_ranks,
 )
+from mgtutorial.exercises.splits import check_split
 from mgtutorial.pipeline import schedules
 from mgtutorial.pipeline.bubble import bubble_formula, bubble_measured, ideal_events
 
@@ -143,16 +143,6 @@ def peak_bytes(predicted: dict) -> None:
     passed(ex, "GPipe peaks at 98304 and 98848 bytes, 1F1B at 49152 and 12804 (stages 0 and 1)")
 
 
-def smallest_largest_stage(counts: list[int], k: int) -> int:
-    """The smallest possible sum of the largest of ``k`` consecutive non-empty stages of blocks
-    whose sizes are ``counts`` (a split's parameter counts), found by trying every cut."""
-    n = len(counts)
-    return min(
-        max(sum(counts[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
-        for cuts in itertools.combinations(range(1, n), k - 1)
-    )
-
-
 def balanced_split(split_fn) -> None:
     """04.3: ``split_fn(mlp, k)`` returns ``k`` modules, the consecutive sub-networks of ``mlp``
     (an :class:`~mgtutorial.common.models.ArticleMLP`) with the largest stage's parameter count as
@@ -162,7 +152,7 @@ def balanced_split(split_fn) -> None:
     where the smallest spread (largest − smallest) is not the smallest largest stage: k stages,
     each with parameters, that share the model's parameters (no copies), whose counts add up to the
     model's, whose forward one after the other equals the unsplit model's, and whose largest stage
-    is the smallest possible (:func:`smallest_largest_stage`).
+    is the smallest possible (:func:`~mgtutorial.exercises.splits.check_split`).
     """
     ex = "04.3 balanced split"
     for sizes, k in (
@@ -176,65 +166,7 @@ def balanced_split(split_fn) -> None:
         torch.manual_seed(0)
         mlp = models.ArticleMLP(sizes)
         stages = attempt(ex, split_fn, mlp, k)
-        where = f"split_fn(ArticleMLP({sizes}), {k})"
-        n = len(stages) if hasattr(stages, "__len__") else "?"
-        require(
-            isinstance(stages, (list, tuple))
-            and n == k
-            and all(isinstance(st, nn.Module) for st in stages),
-            ex,
-            f"{where} returned {type(stages).__name__} of {n} items: return a list of {k} modules "
-            "(e.g. nn.Sequential of sub-networks)",
-        )
-        counts = [models.count_parameters(st) for st in stages]
-        whole = models.count_parameters(mlp)
-        require(
-            all(counts),
-            ex,
-            f"{where} has an empty stage (parameters {counts}): every stage needs "
-            "at least one sub-network",
-        )
-        require(
-            sum(counts) == whole,
-            ex,
-            f"{where}: the stages hold {sum(counts):,} parameters, the "
-            f"model {whole:,}: is a sub-network missing or repeated?",
-        )
-        own = {id(p) for p in mlp.parameters()}
-        require(
-            all(id(p) in own for st in stages for p in st.parameters()),
-            ex,
-            f"{where}: the stages hold copies, not the model's parameters: wrap mlp.subnets[a:b], "
-            "do not build new layers",
-        )
-        x = torch.randn(5, sizes[0])
-        out = x
-        with torch.no_grad():
-            try:
-                for st in stages:
-                    out = st(out)
-            except Exception as err:
-                raise ExerciseError(
-                    ex,
-                    f"{where}: running the stages in order failed ({type(err).__name__}: "
-                    f"{err}): keep the sub-networks in order, each exactly once; each stage "
-                    "one callable module (nn.Sequential)",
-                ) from None
-            want = mlp(x)
-        require(
-            out.shape == want.shape and torch.allclose(out, want, atol=1e-6),
-            ex,
-            f"{where}: the stages applied in order do not compute the model's output: keep the "
-            "sub-networks in order, each exactly once",
-        )
-        best = smallest_largest_stage([models.count_parameters(sn) for sn in mlp.subnets], k)
-        require(
-            max(counts) == best,
-            ex,
-            f"{where}: the largest stage holds {max(counts):,} parameters, but a split whose "
-            f"largest stage holds {best:,} exists (yours: {counts}): count each sub-network's "
-            "parameters and choose the cuts that make the largest stage smallest",
-        )
+        check_split(ex, f"split_fn(ArticleMLP({sizes}), {k})", mlp, stages, k)
     passed(ex, "6 splits have the model's parameters, its output and the smallest largest stage")
 
 

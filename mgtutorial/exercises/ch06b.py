@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mgtutorial.article import model_parallel_flaws
-from mgtutorial.common.models import ArticleMLP, count_parameters
+from mgtutorial.common.models import ArticleMLP
 from mgtutorial.exercises import ch06_ranks
 from mgtutorial.exercises._common import (
     ExerciseError,
@@ -28,7 +28,7 @@ from mgtutorial.exercises._common import (
     require,
     run_ranks,
 )
-from mgtutorial.exercises.ch04 import smallest_largest_stage
+from mgtutorial.exercises.splits import check_split
 from mgtutorial.pipeline.activations import ActivationMeter
 from mgtutorial.runtime import runlog
 
@@ -166,70 +166,14 @@ def stage_split(split_stages) -> None:
     Verified for 1, 2, 3 stages: every parameter of the model in exactly one stage (the stages'
     counts add up to the model's), stage by stage the same output as the model, and the largest
     stage as small as a split into consecutive sub-networks allows
-    (:func:`~mgtutorial.exercises.ch04.smallest_largest_stage`, as in exercise 04.3).
+    (:func:`~mgtutorial.exercises.splits.check_split`, as in exercise 04.3).
     """
     ex = "06b.3 stages"
+    whole_model = "every stage is the whole model (the article's flaw 2.1)"
     for n in (1, 2, 3):
         model = ArticleMLP()
-        stages = list(attempt(ex, split_stages, model, n))
-        require(
-            len(stages) == n, ex, f"split_stages(model, {n}) returned {len(stages)} stages, not {n}"
-        )
-        with_n = f"with {n} stage{'s' * (n > 1)}"
-        for i, s in enumerate(stages):
-            require(
-                isinstance(s, nn.Module) and not isinstance(s, nn.ModuleList),
-                ex,
-                f"{with_n}, stage {i} is of type {type(s).__name__}: each stage must be one "
-                "callable module; a slice of model.subnets is a ModuleList, which has no forward: "
-                "wrap it, nn.Sequential(*model.subnets[a:b])",
-            )
-        counts = [count_parameters(s) for s in stages]
-        whole = count_parameters(model)
-        require(
-            sum(counts) == whole,
-            ex,
-            f"your {n} stages hold {sum(counts):,} parameters together, the model {whole:,}"
-            + (
-                ": every stage is the whole model (the article's flaw 2.1); give each stage its "
-                "own consecutive sub-networks, nn.Sequential(*model.subnets[a:b])"
-                if counts == [whole] * n
-                else ": every parameter belongs to exactly one stage"
-            ),
-        )
-        owned = [id(p) for s in stages for p in s.parameters()]
-        require(
-            sorted(owned) == sorted(id(p) for p in model.parameters()),
-            ex,
-            "the stages hold new parameters: reuse the model's sub-networks, do not build new "
-            "layers",
-        )
-        x = torch.randn(3, model.sizes[0])
-        h = x
-        for i, s in enumerate(stages):
-            try:
-                h = s(h)
-            except Exception as e:
-                raise ExerciseError(
-                    ex,
-                    f"{with_n}, stage {i} ({type(s).__name__}) raised {type(e).__name__} when "
-                    "called: each stage must be one callable module, e.g. "
-                    "nn.Sequential(*model.subnets[a:b])",
-                ) from e
-        require(
-            torch.equal(h, model(x)),
-            ex,
-            f"with {n} stages, the stages applied in order do not compute "
-            "the model's output: keep the sub-networks in their order",
-        )
-        best = smallest_largest_stage([count_parameters(s) for s in model.subnets], n)
-        require(
-            max(counts) == best,
-            ex,
-            f"with {n} stages the largest holds {max(counts):,} parameters {counts}, but a split "
-            f"of consecutive sub-networks can keep every stage at {best:,} or less: balance the "
-            "parameters, not the number of sub-networks",
-        )
+        stages = attempt(ex, split_stages, model, n)
+        check_split(ex, f"split_stages(model, {n})", model, stages, n, whole_model)
     passed(
         ex,
         "1, 2 and 3 stages hold every parameter once, compute the model's output, and the "

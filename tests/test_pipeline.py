@@ -361,3 +361,29 @@ def test_naive_split_equals_unsplit_and_runs_one_stage_at_a_time():
     order = [(e["stage"], e["event"]) for e in evs[:4]]
     assert order == [(0, "forward"), (1, "forward"), (1, "backward"), (0, "backward")]
     assert all(a["end"] <= b["start"] + 1e-4 for a, b in zip(evs, evs[1:]))  # never two at once
+
+
+def test_split_checker_refuses_each_wrong_split_with_its_hint():
+    # exercises 04.3 and 06b.3 share this check; the solution passes, each mistake has its hint
+    import copy
+
+    from torch import nn
+
+    from mgtutorial.exercises import ExerciseError
+    from mgtutorial.exercises.splits import check_split
+
+    mlp = models.ArticleMLP((64, 256, 256, 64, 32, 10))
+    sub = mlp.subnets
+    check_split("ex", "f", mlp, [nn.Sequential(*sub[:2]), nn.Sequential(*sub[2:])], 2)
+    wrong = {
+        "ModuleList": [sub[:1], nn.Sequential(*sub[1:])],
+        "empty stage": [nn.Sequential(), nn.Sequential(*sub)],
+        "copies": [copy.deepcopy(nn.Sequential(*sub[:1])), nn.Sequential(*sub[1:])],
+        "whole model": [mlp, mlp],
+        "missing or repeated": [nn.Sequential(*sub[:1]), nn.Sequential(*sub[2:])],
+        "in order": [nn.Sequential(*sub[1:]), nn.Sequential(*sub[:1])],
+        "largest stage": [nn.Sequential(*sub[:1]), nn.Sequential(*sub[1:])],
+    }
+    for hint, stages in wrong.items():
+        with pytest.raises(ExerciseError, match=hint):
+            check_split("ex", "f", mlp, stages, 2)

@@ -36,7 +36,7 @@ from mgtutorial.runtime import env, runlog
 Schedule = Literal["hand-gpipe", "gpipe", "1f1b", "interleaved"]
 """A pipeline schedule: "hand-gpipe" is :mod:`mgtutorial.pipeline.hand_gpipe`'s, the others are
 torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B."""
-SCHEDULES = get_args(Schedule)
+SCHEDULES = get_args(Schedule)  # the command line's --schedule choices
 
 
 def mlp_data(

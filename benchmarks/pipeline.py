@@ -3,9 +3,9 @@
 Benchmark for notebooks/04_model_parallel.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.pipelining.html (ScheduleGPipe, Schedule1F1B).
 
-Each configuration is one launch of :func:`mgtutorial.pipeline.schedules.worker` (2 ranks = 2 stages, gloo, one
-thread per rank) on an MLP whose two stages cost the same (``--width`` wide, 2 layers per stage), so
-the measured bubble can be held against the ideal (p − 1)/(m + p − 1):
+Each configuration is one launch of :func:`mgtutorial.pipeline.schedules.worker` (2 ranks = 2
+stages, gloo, one thread per rank) on an MLP whose two stages cost the same (``--width`` wide, 2
+layers per stage), so the measured bubble can be held against the ideal (p − 1)/(m + p − 1):
 
 * ``naive``: the model split over 2 ranks with no micro-batching (GPipe with m = 1): one stage works
   at a time, whatever m says — the same number is reported for every m;
@@ -13,19 +13,21 @@ the measured bubble can be held against the ideal (p − 1)/(m + p − 1):
   ``interleaved``: ``ScheduleInterleaved1F1B`` with two stages per rank (m even; its formula is
   (p − 1)/(2m + p − 1)).
 
-Stage 0 computes its input's gradient too (``input_grad=True``) so that both stages do the same work.
+Stage 0 computes its input's gradient too (``input_grad=True``) so that both stages do the same
+work.
 
 samples/s = batch size ÷ median step time (the first ``--warmup`` steps left out); bubble =
-1 − busy ÷ (stages × step span), from the forward/backward events each stage logs, median over
-steps. Run it, don't assert on it::
+1 − busy ÷ (stages × step span), from the forward/backward events each stage logs
+(:func:`mgtutorial.pipeline.bubble.bubble_measured`), median over steps. Run it, don't assert on
+it::
 
     python benchmarks/pipeline.py --out benchmarks/pipeline.json
 
-It prints a table and writes JSON with keys ``naive``, ``gpipe``, ``1f1b``, ``interleaved`` (m → samples/s),
-``bubble_measured``, ``bubble_formula`` and ``bubble_model`` (schedule → m → fraction; the model is the
-formula with the run's mean delay per box, ``delay_ms``, see notebooks/04_model_parallel.ipynb
-section 4), ``speedup_gpipe_m8_vs_naive``, the load average at start and end, and ``cpu_count``.
-"""
+It prints a table and writes JSON with keys ``naive``, ``gpipe``, ``1f1b``, ``interleaved`` (m →
+samples/s), ``bubble_measured``, ``bubble_formula`` and ``bubble_model`` (schedule → m → fraction;
+the model is the formula with the run's mean delay per box, ``delay_ms``, see
+notebooks/04_model_parallel.ipynb section 4), ``speedup_gpipe_m8_vs_naive``, the load average at
+start and end, and ``cpu_count``."""
 
 from __future__ import annotations
 
@@ -39,17 +41,17 @@ import time
 import torch
 
 from mgtutorial import launch
-from mgtutorial.pipeline import schedules as P
-from mgtutorial.pipeline import timeline as T
+from mgtutorial.pipeline import bubble, schedules, timeline
 from mgtutorial.runtime import runlog
 
 MICROBATCHES = (1, 2, 4, 8)
 
 
 def measure(schedule: str, m: int, args, runs_dir: str) -> tuple[float, float, float, float]:
-    """(samples/s, bubble fraction, model bubble, mean delay per box in s) of one run, each the median
-    over the measured steps (the model: ``T.step_costs``, the formula with the step's delay per box)."""
-    cfg = P.PipelineConfig(
+    """(samples/s, bubble fraction, model bubble, mean delay per box in s) of one run, each the
+    median over the measured steps (the model: ``bubble.step_costs``, the formula with the step's
+    delay per box)."""
+    cfg = schedules.PipelineConfig(
         schedule=schedule,
         n_microbatches=m,
         batch_size=args.batch_size,
@@ -59,7 +61,7 @@ def measure(schedule: str, m: int, args, runs_dir: str) -> tuple[float, float, f
         backend="gloo",
         input_grad=True,
     )
-    run = launch(P.worker, cfg, 2, runs_dir=runs_dir, threads_per_rank=1)
+    run = launch(schedules.worker, cfg, 2, runs_dir=runs_dir, threads_per_rank=1)
     try:
         result = run.wait(timeout=600)
     finally:
@@ -69,12 +71,14 @@ def measure(schedule: str, m: int, args, runs_dir: str) -> tuple[float, float, f
     records = runlog.read_run(run.run_dir)
     by = "rank" if schedule == "interleaved" else "stage"
     steps, v = range(args.warmup + 1, cfg.steps + 1), 2 if schedule == "interleaved" else 1
-    bubble = T.median_over_steps(records, lambda evs: T.bubble_measured(evs, by=by), steps)
+    measured = timeline.median_over_steps(
+        records, lambda evs: bubble.bubble_measured(evs, by=by), steps
+    )
     model, delay = (
-        T.median_over_steps(records, lambda evs: T.step_costs(evs, by, v)[k], steps)
+        timeline.median_over_steps(records, lambda evs: bubble.step_costs(evs, by, v)[k], steps)
         for k in ("model", "delay")
     )
-    return args.batch_size / statistics.median(times), bubble, model, delay
+    return args.batch_size / statistics.median(times), measured, model, delay
 
 
 def main() -> None:
@@ -110,20 +114,20 @@ def main() -> None:
         print(f"naive split (m=1): {naive:8.0f} samples/s, bubble {naive_bubble:.3f}", flush=True)
         for m in MICROBATCHES:
             out["naive"][m] = naive
-            out["bubble_formula"][m] = T.bubble_formula(2, m)
+            out["bubble_formula"][m] = bubble.bubble_formula(2, m)
             for schedule in ("gpipe", "1f1b", "interleaved"):
                 if schedule != "gpipe" and m < 2:
                     continue
-                rate, bubble, model, delay = measure(schedule, m, args, runs_dir)
+                rate, measured, model, delay = measure(schedule, m, args, runs_dir)
                 out[schedule][m] = rate
-                out["bubble_measured"][schedule][m] = bubble
+                out["bubble_measured"][schedule][m] = measured
                 out["bubble_model"][schedule][m], out["delay_ms"][schedule][m] = model, 1e3 * delay
-                formula = T.bubble_formula(
-                    2, m, stages_per_rank=2 if schedule == "interleaved" else 1
-                )
+                v = 2 if schedule == "interleaved" else 1
+                formula = bubble.bubble_formula(2, m, stages_per_rank=v)
                 print(
-                    f"{schedule:>11} m={m}: {rate:8.0f} samples/s, bubble {bubble:.3f} "
-                    f"(formula {formula:.3f}, model {model:.3f}, delay per box {1e3 * delay:.1f} ms)",
+                    f"{schedule:>11} m={m}: {rate:8.0f} samples/s, bubble {measured:.3f} "
+                    f"(formula {formula:.3f}, model {model:.3f}, "
+                    f"delay per box {1e3 * delay:.1f} ms)",
                     flush=True,
                 )
     out["speedup_gpipe_m8_vs_naive"] = out["gpipe"][8] / naive

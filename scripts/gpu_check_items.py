@@ -35,9 +35,7 @@ from mgtutorial.hello import HelloConfig, hello
 # NVIDIA's libraries read this: no TF32 in cuBLAS/cuDNN, so GPU results compare with CPU fp32 ones
 from mgtutorial.perf import costmodel
 from mgtutorial.perf import timing
-from mgtutorial.pipeline import naive as model_parallel
-from mgtutorial.pipeline import schedules as pipeline
-from mgtutorial.pipeline import timeline
+from mgtutorial.pipeline import bubble, naive, schedules, timeline
 from mgtutorial.runtime import env, runlog
 
 NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}
@@ -840,8 +838,8 @@ def sync_batchnorm(w: Where) -> dict:
     what="the article's MLP split over cuda:0 and cuda:1 (NaiveModelParallel) == the unsplit model",
 )
 def naive_split(w: Where) -> dict:
-    cfg = pipeline.PipelineConfig(steps=3, batch_size=64)
-    devices = model_parallel.naive_devices() if w.cuda else [torch.device("cpu")] * 2
+    cfg = schedules.PipelineConfig(steps=3, batch_size=64)
+    devices = naive.naive_devices() if w.cuda else [torch.device("cpu")] * 2
     figures: dict = {"devices": [str(d) for d in devices]}
     if w.cuda:
         expect(
@@ -849,14 +847,14 @@ def naive_split(w: Where) -> dict:
             "naive_devices() is not cuda:0, cuda:1",
             figures,
         )
-    model, evs = model_parallel.train_naive(cfg, devices)
+    model, evs = naive.train_naive(cfg, devices)
     figures["stage_devices"] = [str(next(st.parameters()).device) for st in model.stages]
     expect(figures["stage_devices"] == figures["devices"], "a stage is not on its device", figures)
-    ref, _ = pipeline.unsplit_reference(cfg)
+    ref, _ = schedules.unsplit_reference(cfg)
     got = {str(i): p for i, p in enumerate(model.parameters())}
     want = {str(i): p for i, p in enumerate(ref.parameters())}
     figures["max_param_diff"] = _max_diff(got, want)
-    figures["bubble_measured_last_step"] = timeline.bubble_measured(
+    figures["bubble_measured_last_step"] = bubble.bubble_measured(
         [e for e in evs if e["step"] == cfg.steps]
     )
     figures["note"] = HOST_CLOCK_NOTE
@@ -869,25 +867,26 @@ def naive_split(w: Where) -> dict:
     chapter="04_model_parallel",
     min_gpus=2,
     timeout_s=300,
-    what="one pipeline stage per GPU (torch.distributed.pipelining GPipe/1F1B) == unsplit; bubble table",
+    what="one pipeline stage per GPU (torch.distributed.pipelining GPipe/1F1B) == unsplit; "
+    "bubble table",
 )
 def pipeline_stages(w: Where) -> dict:
     rows = []
     for schedule, m in (("gpipe", 1), ("gpipe", 4), ("1f1b", 4), ("1f1b", 8)):
-        cfg = pipeline.PipelineConfig(
+        cfg = schedules.PipelineConfig(
             schedule=schedule, n_microbatches=m, batch_size=64, steps=3, backend=w.backend
         )
-        result = _run(pipeline.worker, cfg, 2, w)
-        got = pipeline.gather_params(result.run_dir, cfg, 2)
-        ref, losses = pipeline.unsplit_reference(cfg)
+        result = _run(schedules.worker, cfg, 2, w)
+        got = schedules.gather_params(result.run_dir, cfg, 2)
+        ref, losses = schedules.unsplit_reference(cfg)
         evs = timeline.events(runlog.read_run(result.run_dir), step=cfg.steps)
         times = result.values[1]["step_times_s"]
         rows.append(
             {
                 "schedule": schedule,
                 "microbatches": m,
-                "bubble_formula": timeline.bubble_formula(2, m),
-                "bubble_measured": timeline.bubble_measured(evs),
+                "bubble_formula": bubble.bubble_formula(2, m),
+                "bubble_measured": bubble.bubble_measured(evs),
                 "step_ms": 1e3 * min(times),
                 "max_param_diff": _max_diff(got, ref.state_dict()),
                 "max_loss_diff": max(

@@ -11,27 +11,25 @@ import torch
 from torch import nn
 
 from mgtutorial import launch
-from mgtutorial.article import ddp_flaws as A
-from mgtutorial.common.models import ArticleCNN, ArticleMLP, cnn_flatten_size
-from mgtutorial.pipeline import naive as MP
-from mgtutorial.pipeline.timeline import ActivationMeter
+from mgtutorial.article import ddp_flaws, model_parallel_flaws
+from mgtutorial.common.compare import max_abs_diff
+from mgtutorial.common.models import ArticleCNN, ArticleMLP, cnn_flatten_size, count_parameters
+from mgtutorial.pipeline.activations import ActivationMeter
+from mgtutorial.runtime import runlog
 from mgtutorial.runtime.run import WorkerFailed
 
 
 def _flaw(flaw, runs, **kw):
-    return (
-        launch(A.flaw_worker, A.FlawConfig(flaw=flaw, **kw), 2, runs_dir=runs)
-        .wait(timeout=60)
-        .values
-    )
+    run = launch(ddp_flaws.flaw_worker, ddp_flaws.FlawConfig(flaw=flaw, **kw), 2, runs_dir=runs)
+    return run.wait(timeout=60).values
 
 
 def test_flatten_4608_fails_or_silently_makes_wrong_rows():
-    conv, pool = (
-        nn.Conv2d(3, 32, 5),
-        nn.MaxPool2d(2),
-    )  # the sample's layers, as the notebook has them
-    features = lambda b: pool(torch.relu(conv(torch.zeros(b, 3, 32, 32))))  # noqa: E731
+    conv, pool = nn.Conv2d(3, 32, 5), nn.MaxPool2d(2)  # the sample's layers, as in the notebook
+
+    def features(b):
+        return pool(torch.relu(conv(torch.zeros(b, 3, 32, 32))))
+
     with pytest.raises(
         RuntimeError, match=r"shape '\[-1, 4608\]' is invalid for input of size 25088"
     ):
@@ -42,19 +40,16 @@ def test_flatten_4608_fails_or_silently_makes_wrong_rows():
         ValueError, match=r"Expected input batch_size \(49\) to match target batch_size \(36\)"
     ):
         nn.functional.cross_entropy(nn.Linear(4608, 10)(rows), torch.zeros(36, dtype=torch.long))
-    assert cnn_flatten_size((3, 32, 32)) == 6272 and ArticleCNN()(
-        torch.zeros(36, 3, 32, 32)
-    ).shape == (36, 10)
+    assert cnn_flatten_size((3, 32, 32)) == 6272
+    assert ArticleCNN()(torch.zeros(36, 3, 32, 32)).shape == (36, 10)
 
 
 @pytest.mark.timeout(60)
 def test_ddp_device_ids_with_cpu_module_and_the_fix(runs, no_leftovers):
     values = _flaw("device_ids", runs)
     for r, v in values.items():
-        assert (
-            f"got device_ids [{r}]" in v["as_written"]
-            and "module parameters {device(type='cpu')}" in v["as_written"]
-        )
+        assert f"got device_ids [{r}]" in v["as_written"]
+        assert "module parameters {device(type='cpu')}" in v["as_written"]
         assert v["fixed"] == "DistributedDataParallel on cpu"
 
 
@@ -76,11 +71,20 @@ def test_summed_epoch_loss_differs_per_rank_global_mean_agrees(runs, no_leftover
     v = _flaw("summed_loss", runs)
     assert abs(v[0]["summed"] - v[1]["summed"]) > 0.5
     assert v[0]["global_mean"] == v[1]["global_mean"] < min(v[0]["summed"], v[1]["summed"])
+    # the ranks' numbers are batch_losses', computed here in one process
+    own = [ddp_flaws.batch_losses(r) for r in (0, 1)]
+    assert [v[r]["summed"] for r in (0, 1)] == pytest.approx([sum(x) for x in own])
+    assert v[0]["global_mean"] == pytest.approx(sum(own[0] + own[1]) / len(own[0] + own[1]))
+
+
+def test_a_flaw_not_in_the_type_is_refused():
+    with pytest.raises(ValueError, match="flaw='typo': must be one of 'device_ids', 'no_sampler'"):
+        ddp_flaws.FlawConfig(flaw="typo").validate(2)
 
 
 @pytest.mark.timeout(60)
 def test_no_destroy_leaves_the_group_up(runs, no_leftovers):
-    run = launch(A.flaw_worker, A.FlawConfig(flaw="no_destroy"), 2, runs_dir=runs)
+    run = launch(ddp_flaws.flaw_worker, ddp_flaws.FlawConfig(flaw="no_destroy"), 2, runs_dir=runs)
     res = run.wait(timeout=60)
     assert all(v["initialized_at_exit"] for v in res.values.values())
     if run.backend == "gloo":  # the chapter: on gloo nothing is printed at exit
@@ -91,17 +95,20 @@ def test_no_destroy_leaves_the_group_up(runs, no_leftovers):
 @pytest.mark.timeout(60)
 def test_rank_equals_gpu_index_collides_on_two_nodes(runs, no_leftovers):
     run = launch(
-        A.rank_from_gpu_worker, A.RankConfig(gpus_per_node=1, timeout_s=5), 2, runs_dir=runs
+        ddp_flaws.rank_from_gpu_worker,
+        ddp_flaws.RankConfig(gpus_per_node=1, timeout_s=5),
+        2,
+        runs_dir=runs,
     )
     with pytest.raises(WorkerFailed, match="EADDRINUSE|address already in use|timeout|Timed out"):
         run.wait(timeout=40)
     claims = [
-        r["claimed_rank"] for r in A.runlog.read_run(run.run_dir) if r.get("kind") == "rank_claim"
+        r["claimed_rank"] for r in runlog.read_run(run.run_dir) if r.get("kind") == "rank_claim"
     ]
     assert claims == [0, 0]
     fixed = launch(
-        A.rank_from_gpu_worker,
-        A.RankConfig(gpus_per_node=1, use_local_rank_as_rank=False),
+        ddp_flaws.rank_from_gpu_worker,
+        ddp_flaws.RankConfig(gpus_per_node=1, use_local_rank_as_rank=False),
         2,
         runs_dir=runs,
     ).wait(timeout=40)
@@ -110,19 +117,22 @@ def test_rank_equals_gpu_index_collides_on_two_nodes(runs, no_leftovers):
 
 @pytest.mark.timeout(90)
 def test_world_size_gpus_times_subnets_waits_for_ranks_that_never_come(runs, no_leftovers):
-    cfg = A.RankConfig(
+    cfg = ddp_flaws.RankConfig(
         use_local_rank_as_rank=False, claimed_world_size=6, gpus_per_node=2, timeout_s=4
     )
     with pytest.raises(WorkerFailed, match="timeout|Timed out"):
-        launch(A.rank_from_gpu_worker, cfg, 3, runs_dir=runs).wait(timeout=60)
+        launch(ddp_flaws.rank_from_gpu_worker, cfg, 3, runs_dir=runs).wait(timeout=60)
 
 
 def test_env_init_without_master_addr_and_set_start_method_twice():
-    init = "import torch.distributed as dist\ndist.init_process_group('gloo', init_method='env://', rank=0, world_size=2)"
-    assert "MASTER_ADDR expected, but not set" in A.last_error_line(init)
-    twice = "import torch.multiprocessing as mp\nmp.set_start_method('spawn')\nmp.set_start_method('spawn')"
-    assert A.last_error_line(twice) == "RuntimeError: context has already been set"
-    assert A.last_error_line("print('fine')") == "no error"
+    init = (
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method='env://', rank=0, world_size=2)"
+    )
+    assert "MASTER_ADDR expected, but not set" in ddp_flaws.last_error_line(init)
+    twice = "import torch.multiprocessing as mp\n" + "mp.set_start_method('spawn')\n" * 2
+    assert ddp_flaws.last_error_line(twice) == "RuntimeError: context has already been set"
+    assert ddp_flaws.last_error_line("print('fine')") == "no error"
 
 
 def _alive_after_each_step(retain_graph: bool, steps: int = 3) -> list[int]:
@@ -142,29 +152,28 @@ def test_retain_graph_keeps_a_steps_activations_alive():
     kept, freed = _alive_after_each_step(True), _alive_after_each_step(False)
     assert freed == [0, 0, 0]
     assert kept[0] > 0 and kept == [kept[0]] * 3  # one step's worth, every step
-    # each storage once: every layer's float32 input and the log-softmax, the int64 targets, and the
-    # loss's float32 total weight (a ReLU output saved twice, by ReLU and the next Linear, counts once)
+    # each storage once: every layer's float32 input and the log-softmax, the int64 targets, and
+    # the loss's float32 total weight (a ReLU output saved twice, by ReLU and the next Linear,
+    # counts once)
     assert kept[0] == 64 * (1024 + 512 + 256 + 100) * 4 + 64 * 8 + 4
 
 
 @pytest.mark.timeout(60)
 def test_model_parallel_sample_is_whole_copies(runs, no_leftovers):
-    res = launch(MP.article_worker, MP.ArticleConfig(steps=3), 2, runs_dir=runs).wait(timeout=40)
-    assert (
-        res.values[0]["parameters"]
-        == res.values[1]["parameters"]
-        == MP.models.count_parameters(MP.models.ArticleMLP())
-    )
-    records = A.runlog.read_run(res.run_dir)
-    start = {r["rank"]: r["checksum"] for r in A.runlog.of_kind(records, "article_start")}
-    sums = {(r["rank"], r["step"]): r["checksum"] for r in A.runlog.of_kind(records, "article")}
+    cfg = model_parallel_flaws.ArticleConfig(steps=3)
+    res = launch(model_parallel_flaws.article_worker, cfg, 2, runs_dir=runs).wait(timeout=40)
+    whole = count_parameters(ArticleMLP())
+    assert res.values[0]["parameters"] == res.values[1]["parameters"] == whole
+    records = runlog.read_run(res.run_dir)
+    start = {r["rank"]: r["checksum"] for r in runlog.of_kind(records, "article_start")}
+    sums = {(r["rank"], r["step"]): r["checksum"] for r in runlog.of_kind(records, "article")}
     assert start[0] == start[1]  # the same starting weights …
     assert all(sums[0, s] != sums[1, s] for s in (1, 2, 3))  # … then copies that drift apart
 
 
 @pytest.mark.timeout(60)
 def test_synchronised_copies_equal_one_model_on_both_batches(runs, no_leftovers, tmp_path):
-    from mgtutorial.exercises import ch06b
+    from mgtutorial.exercises import ch06_ranks
 
     sync = tmp_path / "sync.py"
     sync.write_text(
@@ -172,14 +181,15 @@ def test_synchronised_copies_equal_one_model_on_both_batches(runs, no_leftovers,
         "    for p in model.parameters():\n        dist.all_reduce(p.grad)\n"
         "        p.grad /= ctx.world_size\n"
     )
-    res = launch(
-        ch06b.sync_worker, ch06b.SyncConfig(path=str(sync), steps=3), 2, runs_dir=runs
-    ).wait(timeout=40)
-    reference = MP.combined_batch_reference(MP.ArticleConfig(steps=3), nprocs=2)
+    cfg = ch06_ranks.SyncConfig(path=str(sync), steps=3)
+    res = launch(ch06_ranks.sync_worker, cfg, 2, runs_dir=runs).wait(timeout=40)
+    art = model_parallel_flaws.ArticleConfig(steps=3)
+    reference = model_parallel_flaws.combined_batch_reference(art, nprocs=2)
     for r in (0, 1):
-        torch.testing.assert_close(
-            torch.load(res.run_dir / f"rank{r}-model.pt", map_location="cpu", weights_only=True),
-            reference,
-            rtol=1e-4,
-            atol=1e-6,
-        )
+        path = res.run_dir / f"rank{r}-model.pt"
+        got = torch.load(path, map_location="cpu", weights_only=True)
+        torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-6)
+    # the check can fail: the copies without the sync end elsewhere
+    unsynced = launch(model_parallel_flaws.article_worker, art, 2, runs_dir=runs).wait(timeout=40)
+    apart = torch.load(unsynced.run_dir / "rank0-model.pt", map_location="cpu", weights_only=True)
+    assert max_abs_diff(apart, reference) > 1e-4

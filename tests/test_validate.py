@@ -7,8 +7,8 @@ import torch
 
 from mgtutorial import ddp, launch
 from mgtutorial.ddp import internals as DI
+from mgtutorial.pipeline import handoff
 from mgtutorial.pipeline import schedules as P
-from mgtutorial.pipeline import timeline as T
 from mgtutorial.runtime import runlog
 
 
@@ -44,7 +44,7 @@ from mgtutorial.runtime import runlog
         ),
         (DI.HooksConfig(accumulation_steps=0), ValueError, "accumulation_steps=0: need at least 1"),
         (DI.HooksConfig(lr=-1), ValueError, "lr=-1"),  # the base class's checks still apply
-        (P.PipelineConfig(schedule="zb"), ValueError, "schedule='zb' is not one of"),
+        (P.PipelineConfig(schedule="zb"), ValueError, "schedule='zb': must be one of"),
         (
             P.PipelineConfig(n_microbatches=0),
             ValueError,
@@ -66,7 +66,7 @@ from mgtutorial.runtime import runlog
             "2 stages but the MLP has only 1 sub-networks",
         ),
         (P.PipelineConfig(steps=0), ValueError, "steps=0: must be at least 1"),
-        (T.HandoffConfig(reps=2), ValueError, r"reps ≥ 3 \(got 2\)"),
+        (handoff.HandoffConfig(reps=2), ValueError, r"reps ≥ 3 \(got 2\)"),
         (
             P.PipelineConfig(sizes=[64, -4, 8]),
             ValueError,

@@ -1,12 +1,11 @@
-"""The flaws of the blog post the course started from, each reproduced by code you can run, next to
-the fixed form.
+"""The flaws of the article's first sample, the DDP CNN started with ``mp.spawn``, each reproduced
+by code you can run, next to the fixed form.
 
-Taught in notebooks/06a_article_ddp.ipynb (the DDP CNN started with ``mp.spawn``) and
-notebooks/06b_article_model_parallel.ipynb (the "model parallel" MLP of sub-networks), which show
-the article's two samples re-created with their flaws and reproduce the flaws that need no process
-group in their cells. Here: the workers for the flaws
-that need several ranks (each rebuilds one mistake, in our own code, and returns or logs the
-symptom) and the plumbing to run a snippet in a fresh interpreter. Follows
+Taught in notebooks/06a_article_ddp.ipynb, which re-creates the sample with its flaws and shows in
+its cells the ones that need no process group. Here: the workers for the flaws that need several
+ranks (each rebuilds one mistake, in our own code, and returns or logs the symptom), the join of a
+process group with a claimed rank and world size (also chapter 06b's "world size = GPUs × subnets"),
+and the plumbing to run a snippet in a fresh interpreter. Follows
 https://pytorch.org/docs/stable/notes/ddp.html, https://pytorch.org/docs/stable/distributed.html
 and https://pytorch.org/docs/stable/multiprocessing.html.
 """
@@ -18,6 +17,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -25,19 +25,23 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from mgtutorial.common import data
-
-# ---------------------------------------------------------------------------------------------
+from mgtutorial.common.config import Config
 from mgtutorial.runtime import env, runlog
 
-# Worker demonstrations (each rank runs one; they return what they saw)
+# --- worker demonstrations (each rank runs one; they return what they saw) ----------------------
+
+Flaw = Literal[
+    "device_ids", "no_sampler", "no_set_epoch", "fixed_sampler", "summed_loss", "no_destroy"
+]
+"""The flaws :func:`flaw_worker` reproduces."""
 
 
 @dataclass(kw_only=True)
-class FlawConfig:
+class FlawConfig(Config):
     """Configuration of :func:`flaw_worker`."""
 
-    flaw: str = "device_ids"
-    """"device_ids" | "no_sampler" | "no_set_epoch" | "fixed_sampler" | "summed_loss" | "no_destroy"."""
+    flaw: Flaw = "device_ids"
+    """The flaw to reproduce (see :func:`flaw_worker`)."""
     epochs: int = 2
     """Epochs for the data-loading demonstrations."""
     n_samples: int = 16
@@ -46,18 +50,6 @@ class FlawConfig:
     """Per-rank batch size."""
     seed: int = 0
     """Seed (the same on every rank, as a careful script would set it)."""
-
-
-def _ids_loader(cfg: FlawConfig, ctx: env.DistContext, how: str) -> DataLoader:
-    ds = torch.utils.data.TensorDataset(torch.arange(cfg.n_samples))
-    if how == "no_sampler":  # the article: a plain shuffled loader in every process
-        return DataLoader(
-            ds,
-            batch_size=cfg.batch_size,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(cfg.seed),
-        )
-    return data.train_loader(ds, cfg.batch_size, ctx.rank, ctx.world_size, seed=cfg.seed)
 
 
 def flaw_worker(cfg: FlawConfig) -> dict:
@@ -81,50 +73,70 @@ def flaw_worker(cfg: FlawConfig) -> dict:
         dist.all_reduce(torch.ones(1))
         return {"rank": dist.get_rank(), "initialized_at_exit": dist.is_initialized()}
     with env.distributed() as ctx:
-        out: dict = {"rank": ctx.rank}
         if cfg.flaw == "device_ids":
-            try:
-                nn.parallel.DistributedDataParallel(nn.Linear(4, 2), device_ids=[ctx.local_rank])
-                out["as_written"] = "no error"
-            except (ValueError, RuntimeError, AssertionError) as exc:
-                out["as_written"] = f"{type(exc).__name__}: {exc}"
-            from mgtutorial.ddp import (
-                apply_ddp,  # the fix: move to the rank's device first, device_ids only on GPU
-            )
+            return {"rank": ctx.rank, **_device_ids(ctx)}
+        if cfg.flaw == "summed_loss":
+            return {"rank": ctx.rank, **_summed_loss(cfg, ctx)}
+        loader = _ids_loader(cfg, ctx)
+        ids = {}
+        for epoch in range(cfg.epochs):
+            if cfg.flaw == "fixed_sampler":
+                loader.sampler.set_epoch(epoch)
+            ids[epoch] = [int(i) for (b,) in loader for i in b]
+        return {"rank": ctx.rank, "ids": ids}
 
-            fixed = apply_ddp(nn.Linear(4, 2), ctx)
-            out["fixed"] = f"{type(fixed).__name__} on {next(fixed.parameters()).device}"
-        elif cfg.flaw in ("no_sampler", "no_set_epoch", "fixed_sampler"):
-            loader = _ids_loader(cfg, ctx, cfg.flaw)
-            out["ids"] = {}
-            for epoch in range(cfg.epochs):
-                if cfg.flaw == "fixed_sampler":
-                    loader.sampler.set_epoch(epoch)
-                out["ids"][epoch] = [int(i) for (b,) in loader for i in b]
-        elif cfg.flaw == "summed_loss":
-            env.seed_everything(cfg.seed)
-            model = nn.Linear(8, 3)
-            g = torch.Generator().manual_seed(cfg.seed + 1 + ctx.rank)
-            losses = [
-                nn.functional.cross_entropy(
-                    model(torch.randn(cfg.batch_size, 8, generator=g)),
-                    torch.randint(0, 3, (cfg.batch_size,), generator=g),
-                ).item()
-                for _ in range(4 + 2 * ctx.rank)
-            ]  # ranks with different numbers of batches
-            out["summed"] = sum(losses)
-            total = torch.tensor(
-                [sum(losses), len(losses)], dtype=torch.float64, device=ctx.device
-            )  # NCCL: on the GPU
-            dist.all_reduce(total)
-            out["global_mean"] = float(total[0] / total[1])
-        else:
-            raise ValueError(f"flaw={cfg.flaw!r} is not one FlawConfig knows.")
-        return out
+
+def _device_ids(ctx: env.DistContext) -> dict:
+    try:
+        nn.parallel.DistributedDataParallel(nn.Linear(4, 2), device_ids=[ctx.local_rank])
+        as_written = "no error"
+    except (ValueError, RuntimeError, AssertionError) as exc:
+        as_written = f"{type(exc).__name__}: {exc}"
+    # the fix: move to the rank's device first, device_ids only on a GPU
+    from mgtutorial.ddp import apply_ddp
+
+    fixed = apply_ddp(nn.Linear(4, 2), ctx)
+    where = next(fixed.parameters()).device
+    return {"as_written": as_written, "fixed": f"{type(fixed).__name__} on {where}"}
+
+
+def _ids_loader(cfg: FlawConfig, ctx: env.DistContext) -> DataLoader:
+    ds = torch.utils.data.TensorDataset(torch.arange(cfg.n_samples))
+    if cfg.flaw == "no_sampler":  # the article: a plain shuffled loader in every process
+        g = torch.Generator().manual_seed(cfg.seed)
+        return DataLoader(ds, batch_size=cfg.batch_size, shuffle=True, generator=g)
+    return data.train_loader(ds, cfg.batch_size, ctx.rank, ctx.world_size, seed=cfg.seed)
+
+
+def batch_losses(rank: int, seed: int = 0, batch_size: int = 4) -> list[float]:
+    """Rank ``rank``'s batch losses for one epoch: ``4 + 2 * rank`` batches (unequal on purpose) of
+    a fixed ``Linear(8, 3)`` on random data, the same numbers in a rank and in a single process."""
+    env.seed_everything(seed)
+    model = nn.Linear(8, 3)
+    g = torch.Generator().manual_seed(seed + 1 + rank)
+    with torch.no_grad():
+        return [
+            nn.functional.cross_entropy(
+                model(torch.randn(batch_size, 8, generator=g)),
+                torch.randint(0, 3, (batch_size,), generator=g),
+            ).item()
+            for _ in range(4 + 2 * rank)
+        ]
+
+
+def _summed_loss(cfg: FlawConfig, ctx: env.DistContext) -> dict:
+    losses = batch_losses(ctx.rank, cfg.seed, cfg.batch_size)
+    # the sum and the count of every rank's batches (NCCL: on the GPU)
+    total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(total)
+    return {"summed": sum(losses), "global_mean": float(total[0] / total[1])}
+
+
+# --- a rank and a world size, claimed ------------------------------------------------------------
 
 
 @dataclass(kw_only=True)
-class RankConfig:
+class RankConfig(Config):
     """Configuration of :func:`rank_from_gpu_worker`."""
 
     gpus_per_node: int = 1
@@ -137,23 +149,15 @@ class RankConfig:
     """Rendezvous timeout: how long to wait for ranks that never come."""
 
 
-def rank_from_gpu_worker(cfg: RankConfig) -> dict:
-    """Join the process group the article's way: ``rank`` = this process's GPU index on its node.
+def join_claimed(rank: int, world_size: int, timeout_s: float) -> dict:
+    """Join a gloo process group as ``rank`` of ``world_size`` (whatever the job really is), pass
+    one barrier and leave; returns the group's ``{"rank", "world_size"}``.
 
-    On 2 nodes × 1 GPU both processes claim rank 0, and rendezvous fails (two rank-0 stores, or a
-    rank that never arrives) within ``timeout_s``. With ``claimed_world_size`` larger than the
-    processes actually started (the MLP sample's ``num_gpus × subnets``), the ranks wait for
-    peers that do not exist until the timeout. Returns {"rank", "world_size"} when it works.
+    Raises what the rendezvous raises when the claims cannot form a group: two processes claiming
+    rank 0 (two stores on one port), or ranks that never come (a timeout after ``timeout_s``).
     """
-    gpu = (
-        env.rank() % cfg.gpus_per_node
-    )  # what the article calls `gpu`: a device index on this node
-    rank = gpu if cfg.use_local_rank_as_rank else env.rank()
-    world = cfg.claimed_world_size or env.world_size()
-    runlog.RunLog().write(kind="rank_claim", claimed_rank=rank, claimed_world_size=world, gpu=gpu)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.timeout_s)
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
     try:
         dist.barrier()
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
@@ -161,14 +165,30 @@ def rank_from_gpu_worker(cfg: RankConfig) -> dict:
         dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------
-# Plumbing for the flaws shown without a process group
+def rank_from_gpu_worker(cfg: RankConfig) -> dict:
+    """Join the process group the article's way: ``rank`` = this process's GPU index on its node.
+
+    On 2 nodes × 1 GPU both processes claim rank 0, and rendezvous fails (two rank-0 stores, or a
+    rank that never arrives) within ``timeout_s``. With ``claimed_world_size`` larger than the
+    processes actually started (the MLP sample's ``num_gpus × subnets``), the ranks wait for
+    peers that do not exist until the timeout. Logs ``kind="rank_claim"`` first; returns
+    {"rank", "world_size"} when it works.
+    """
+    # what the article calls `gpu`: a device index on this node
+    gpu = env.rank() % cfg.gpus_per_node
+    rank = gpu if cfg.use_local_rank_as_rank else env.rank()
+    world = cfg.claimed_world_size or env.world_size()
+    runlog.RunLog().write(kind="rank_claim", claimed_rank=rank, claimed_world_size=world, gpu=gpu)
+    return join_claimed(rank, world, cfg.timeout_s)
+
+
+# --- plumbing for the flaws shown without a process group ---------------------------------------
 
 
 def run_snippet(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run ``code`` (Python source) in a fresh interpreter without ``MASTER_ADDR``/``MASTER_PORT``
     (as a plain script started by hand has them); return the finished process (``stdout``,
-    ``stderr``, ``returncode``, text)."""
+    ``stderr``, ``returncode``, text). Raises ``subprocess.TimeoutExpired`` after ``timeout`` s."""
     env_ = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env_

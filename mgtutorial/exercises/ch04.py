@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mgtutorial.common import models
+from mgtutorial.common.compare import max_abs_diff
 from mgtutorial.exercises._common import (
     ExerciseError,
     answered,
@@ -19,68 +20,24 @@ from mgtutorial.exercises._common import (
     require,
     run_ranks,
 )
-from mgtutorial.pipeline import schedules as P
-from mgtutorial.pipeline import timeline as T
-
-
-def _simulated_bubble(
-    p: int, m: int, schedule: str, forward: float = 1.0, backward: float = 2.0
-) -> float:
-    """Idle fraction of one step of ``schedule`` ("gpipe" | "1f1b") on ``p`` stages with ``m``
-    micro-batches, every forward lasting ``forward`` and every backward ``backward`` (no cost between
-    boxes): each box starts when its inputs are ready and its stage is free, in the schedule's order."""
-    order = {}  # stage -> its boxes in the order the schedule runs them
-    for s in range(p):
-        if schedule == "gpipe":
-            order[s] = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-        else:  # 1F1B: p − s forwards of warm-up, then one backward, one forward, …, then the backwards
-            warm = min(p - s, m)
-            ops = [("F", i) for i in range(warm)]
-            for i in range(m):
-                ops.append(("B", i))
-                if warm + i < m:
-                    ops.append(("F", warm + i))
-            order[s] = ops
-    end, free, pending = {}, [0.0] * p, {s: list(ops) for s, ops in order.items()}
-    while any(pending.values()):
-        progressed = False
-        for s in range(p):
-            while pending[s]:
-                kind, i = pending[s][0]
-                dep = (
-                    (s - 1, "F", i)
-                    if kind == "F"
-                    else ((s + 1, "B", i) if s < p - 1 else (s, "F", i))
-                )
-                if kind == "F" and s == 0:
-                    ready = 0.0
-                elif dep in end:
-                    ready = end[dep]
-                else:
-                    break
-                start = max(ready, free[s])
-                free[s] = end[s, kind, i] = start + (forward if kind == "F" else backward)
-                pending[s].pop(0)
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"the simulated {schedule} schedule deadlocks (p={p}, m={m})")
-    span = max(end.values())
-    return 1 - m * (forward + backward) / span
+from mgtutorial.exercises.splits import check_split
+from mgtutorial.pipeline import schedules
+from mgtutorial.pipeline.bubble import bubble_formula, bubble_measured, ideal_events
 
 
 def bubble(predicted: dict, smallest_m) -> None:
-    """04.1: ``predicted[(p, m, v)]`` is the ideal bubble fraction (a float) for p ranks, m micro-batches
-    and v stages per rank, for (4, 8, 1), (4, 8, 2) and (8, 16, 1); ``smallest_m`` (an int) is the
-    smallest m whose ideal bubble at p = 4, v = 1 is at most 10 %. Verified against
-    :func:`mgtutorial.pipeline.timeline.bubble_formula` and, for v = 1, against a simulation of GPipe and 1F1B
-    steps whose boxes have no cost between them."""
+    """04.1: ``predicted[(p, m, v)]`` is the ideal bubble fraction (a float) for p ranks, m
+    micro-batches and v stages per rank, for (4, 8, 1), (4, 8, 2) and (8, 16, 1); ``smallest_m``
+    (an int) is the smallest m whose ideal bubble at p = 4, v = 1 is at most 10 %. Verified against
+    :func:`mgtutorial.pipeline.bubble.bubble_formula` and, for v = 1, against GPipe and 1F1B steps
+    whose boxes have no cost between them (:func:`~mgtutorial.pipeline.bubble.ideal_events`)."""
     ex = "04.1 bubble formula"
     for p, m, v in ((4, 8, 1), (4, 8, 2), (8, 16, 1)):
         guess = answered(predicted.get((p, m, v)), ex, f"predicted[{(p, m, v)}]")
-        truth = T.bubble_formula(p, m, stages_per_rank=v)
+        truth = bubble_formula(p, m, stages_per_rank=v)
         if v == 1:
             for schedule in ("gpipe", "1f1b"):
-                simulated = _simulated_bubble(p, m, schedule)
+                simulated = bubble_measured(ideal_events(schedule, p, m))
                 require(
                     close(simulated, truth),
                     ex,
@@ -104,15 +61,16 @@ def bubble(predicted: dict, smallest_m) -> None:
         f"smallest_m = {m!r}: give a whole number of micro-batches",
     )
     require(
-        T.bubble_formula(4, m) <= 0.10,
+        bubble_formula(4, m) <= 0.10,
         ex,
-        f"at p=4, m={m} the bubble is {T.bubble_formula(4, m):.3f}, "
+        f"at p=4, m={m} the bubble is {bubble_formula(4, m):.3f}, "
         "above 0.10: solve (p − 1) / (m + p − 1) ≤ 0.1 for m",
     )
     require(
-        m == 1 or T.bubble_formula(4, m - 1) > 0.10,
+        m == 1 or bubble_formula(4, m - 1) > 0.10,
         ex,
-        f"m={m - 1} already gives {T.bubble_formula(4, m - 1):.3f} ≤ 0.10: the smallest such m is asked for",
+        f"m={m - 1} already gives {bubble_formula(4, m - 1):.3f} ≤ 0.10: "
+        "the smallest such m is asked for",
     )
     passed(
         ex,
@@ -121,10 +79,10 @@ def bubble(predicted: dict, smallest_m) -> None:
     )
 
 
-def _stage_bytes(cfg: P.PipelineConfig, stage: int) -> tuple[int, int]:
+def _stage_bytes(cfg: schedules.PipelineConfig, stage: int) -> tuple[int, int]:
     """(bytes held once per step, bytes per micro-batch held) of ``stage`` of a 2-stage pipeline of
-    ``sizes=[w] * 5``: stage 0 keeps the input batch and two ReLU outputs per micro-batch; stage 1 the
-    int64 targets and, per micro-batch, its input, one ReLU output, the log-softmax output and
+    ``sizes=[w] * 5``: stage 0 keeps the input batch and two ReLU outputs per micro-batch; stage 1
+    the int64 targets and, per micro-batch, its input, one ReLU output, the log-softmax output and
     ``nll_loss``'s 4-byte total weight (notebook section 5)."""
     w, rows = cfg.sizes[0], cfg.batch_size // cfg.n_microbatches
     if stage == 0:
@@ -137,8 +95,9 @@ def _micro_batches(n: int) -> str:
 
 
 def peak_bytes(predicted: dict) -> None:
-    """04.2: ``predicted[(schedule, stage)]`` (an int) is the peak activation bytes of stage 0 or 1,
-    schedule "gpipe" or "1f1b", for 2 ranks, ``sizes=[128] * 5``, batch 64, m = 8 (float32 activations).
+    """04.2: ``predicted[(schedule, stage)]`` (an int) is the peak activation bytes of stage 0 or
+    1, schedule "gpipe" or "1f1b", for 2 ranks, ``sizes=[128] * 5``, batch 64, m = 8 (float32
+    activations).
 
     Runs both schedules on 2 ranks (one step) and compares with each stage's measured peak
     (``ActivationMeter``, each storage counted once); a wrong guess is explained by the parts of
@@ -150,7 +109,7 @@ def peak_bytes(predicted: dict) -> None:
         for key in itertools.product(("gpipe", "1f1b"), (0, 1))
     }
     for schedule in ("gpipe", "1f1b"):
-        cfg = P.PipelineConfig(
+        cfg = schedules.PipelineConfig(
             schedule=schedule,
             n_microbatches=8,
             batch_size=64,
@@ -158,7 +117,8 @@ def peak_bytes(predicted: dict) -> None:
             sizes=[128] * 5,
             save_params=False,
         )
-        values = run_ranks(ex, P.worker, cfg, 2, name=f"peak-{schedule}", threads_per_rank=1).values
+        run = run_ranks(ex, schedules.worker, cfg, 2, name=f"peak-{schedule}", threads_per_rank=1)
+        values = run.values
         for s, value in sorted(values.items()):
             peak, (fixed, per_mb) = value["peak_activation_bytes"], _stage_bytes(cfg, s)
             held, rest = divmod(peak - fixed, per_mb)
@@ -171,10 +131,10 @@ def peak_bytes(predicted: dict) -> None:
             guess = guesses[schedule, s]
             if guess == peak:
                 continue
+            once = "the input batch" if s == 0 else "the int64 targets"
             why = (
-                f"it is {fixed} held once ({'the input batch' if s == 0 else 'the int64 targets'}) + "
-                f"{_micro_batches(held)} of {per_mb} bytes each: check each part against section 5's "
-                "breakdown for width 1024"
+                f"it is {fixed} held once ({once}) + {_micro_batches(held)} of {per_mb} bytes "
+                "each: check each part against section 5's breakdown for width 1024"
             )
             raise ExerciseError(
                 ex,
@@ -183,24 +143,16 @@ def peak_bytes(predicted: dict) -> None:
     passed(ex, "GPipe peaks at 98304 and 98848 bytes, 1F1B at 49152 and 12804 (stages 0 and 1)")
 
 
-def _best_largest_stage(counts: list[int], k: int) -> int:
-    """The smallest possible parameter count of the largest of ``k`` consecutive non-empty stages."""
-    n = len(counts)
-    return min(
-        max(sum(counts[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
-        for cuts in itertools.combinations(range(1, n), k - 1)
-    )
-
-
 def balanced_split(split_fn) -> None:
-    """04.3: ``split_fn(mlp, k)`` returns ``k`` modules, the consecutive sub-networks of ``mlp`` (an
-    :class:`~mgtutorial.common.models.ArticleMLP`) with the largest stage's parameter count as small as possible.
+    """04.3: ``split_fn(mlp, k)`` returns ``k`` modules, the consecutive sub-networks of ``mlp``
+    (an :class:`~mgtutorial.common.models.ArticleMLP`) with the largest stage's parameter count as
+    small as possible.
 
-    Verified on the article's MLP (k = 2, 3), on a 5-block MLP (k = 2, 3, 4), and on one (k = 3) where
-    the smallest spread (largest − smallest) is not the smallest largest stage: k stages, each with
-    parameters, that share the model's parameters (no copies), whose counts add up to the model's,
-    whose forward one after the other equals the unsplit model's, and whose largest stage is the
-    smallest possible (found by trying every cut).
+    Verified on the article's MLP (k = 2, 3), on a 5-block MLP (k = 2, 3, 4), and on one (k = 3)
+    where the smallest spread (largest − smallest) is not the smallest largest stage: k stages,
+    each with parameters, that share the model's parameters (no copies), whose counts add up to the
+    model's, whose forward one after the other equals the unsplit model's, and whose largest stage
+    is the smallest possible (:func:`~mgtutorial.exercises.splits.check_split`).
     """
     ex = "04.3 balanced split"
     for sizes, k in (
@@ -214,75 +166,19 @@ def balanced_split(split_fn) -> None:
         torch.manual_seed(0)
         mlp = models.ArticleMLP(sizes)
         stages = attempt(ex, split_fn, mlp, k)
-        where = f"split_fn(ArticleMLP({sizes}), {k})"
-        require(
-            isinstance(stages, (list, tuple))
-            and len(stages) == k
-            and all(isinstance(st, nn.Module) for st in stages),
-            ex,
-            f"{where} returned {type(stages).__name__} of {len(stages) if hasattr(stages, '__len__') else '?'} "
-            f"items: return a list of {k} modules (e.g. nn.Sequential of sub-networks)",
-        )
-        counts = [models.count_parameters(st) for st in stages]
-        whole = models.count_parameters(mlp)
-        require(
-            all(counts),
-            ex,
-            f"{where} has an empty stage (parameters {counts}): every stage needs "
-            "at least one sub-network",
-        )
-        require(
-            sum(counts) == whole,
-            ex,
-            f"{where}: the stages hold {sum(counts):,} parameters, the "
-            f"model {whole:,}: is a sub-network missing or repeated?",
-        )
-        own = {id(p) for p in mlp.parameters()}
-        require(
-            all(id(p) in own for st in stages for p in st.parameters()),
-            ex,
-            f"{where}: the stages hold copies, not the model's parameters: wrap mlp.subnets[a:b], "
-            "do not build new layers",
-        )
-        x = torch.randn(5, sizes[0])
-        out = x
-        with torch.no_grad():
-            try:
-                for st in stages:
-                    out = st(out)
-            except Exception as err:
-                raise ExerciseError(
-                    ex,
-                    f"{where}: running the stages in order failed ({type(err).__name__}: "
-                    f"{err}): keep the sub-networks in order, each exactly once; each stage "
-                    "one callable module (nn.Sequential)",
-                ) from None
-            want = mlp(x)
-        require(
-            out.shape == want.shape and torch.allclose(out, want, atol=1e-6),
-            ex,
-            f"{where}: the stages applied in order do not compute the model's output: keep the "
-            "sub-networks in order, each exactly once",
-        )
-        best = _best_largest_stage([models.count_parameters(sn) for sn in mlp.subnets], k)
-        require(
-            max(counts) == best,
-            ex,
-            f"{where}: the largest stage holds {max(counts):,} parameters, but a split whose largest "
-            f"stage holds {best:,} exists (yours: {counts}): count each sub-network's parameters "
-            "and choose the cuts that make the largest stage smallest",
-        )
+        check_split(ex, f"split_fn(ArticleMLP({sizes}), {k})", mlp, stages, k)
     passed(ex, "6 splits have the model's parameters, its output and the smallest largest stage")
 
 
 def loss_weighting(accumulate) -> None:
     """04.4: ``accumulate(model, x, y, m)`` cuts ``(x, y)`` into ``m`` micro-batches
-    (``torch.tensor_split``), runs forward and backward on each, and leaves in ``.grad`` the gradient
-    of the full batch's mean cross-entropy.
+    (``torch.tensor_split``), runs forward and backward on each, and leaves in ``.grad`` the
+    gradient of the full batch's mean cross-entropy.
 
     Verified against one full-batch backward with batch 33 in m = 4 (sizes 9, 8, 8, 8) and batch 32
     in m = 3 (11, 11, 10), where equal weights 1/m (what torch.distributed.pipelining's
-    ``scale_grads`` does) give the wrong gradient, and with batch 32 in m = 4 (8 each), where they are right.
+    ``scale_grads`` does) give the wrong gradient, and with batch 32 in m = 4 (8 each), where they
+    are right.
     """
     ex = "04.4 loss weighting"
     for batch, m in ((33, 4), (32, 3), (32, 4)):
@@ -290,17 +186,12 @@ def loss_weighting(accumulate) -> None:
         x, y = torch.randn(batch, 16, generator=g), torch.randint(0, 10, (batch,), generator=g)
         torch.manual_seed(0)
         model = models.ArticleMLP((16, 32, 10))
-        want = torch.autograd.grad(
-            nn.functional.cross_entropy(model(x), y), list(model.parameters())
-        )
-        equal = [torch.zeros_like(w) for w in want]
+        params = list(model.parameters())
+        want = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), params)
+        equal = [torch.zeros_like(w) for w in want]  # every micro-batch weighted 1/m
         for xi, yi in zip(torch.tensor_split(x, m), torch.tensor_split(y, m)):
-            for acc, gi in zip(
-                equal,
-                torch.autograd.grad(
-                    nn.functional.cross_entropy(model(xi), yi), list(model.parameters())
-                ),
-            ):
+            grads = torch.autograd.grad(nn.functional.cross_entropy(model(xi), yi), params)
+            for acc, gi in zip(equal, grads):
                 acc += gi / m
         model.zero_grad(set_to_none=True)
         attempt(ex, accumulate, model, x, y, m)
@@ -309,20 +200,26 @@ def loss_weighting(accumulate) -> None:
         require(
             all(gr is not None for gr in got),
             ex,
-            f"batch {batch}, m={m}: some parameters have no .grad: call backward() on each micro-batch's loss",
+            f"batch {batch}, m={m}: some parameters have no .grad: call backward() on each "
+            "micro-batch's loss",
         )
         if all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want)):
             continue
         if all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, equal)):
             hint = "you weighted every micro-batch by 1/m; weight each by its share n_i / batch"
         elif all(torch.allclose(a, m * b, atol=1e-6) for a, b in zip(got, equal)):
-            hint = "you summed the micro-batch means unweighted (m times too large); weight each by n_i / batch"
+            hint = (
+                "you summed the micro-batch means unweighted (m times too large); weight each by "
+                "n_i / batch"
+            )
         else:
-            hint = "compare with one backward of the full batch's mean loss; do not zero .grad between micro-batches"
+            hint = (
+                "compare with one backward of the full batch's mean loss; do not zero .grad "
+                "between micro-batches"
+            )
         raise ExerciseError(
             ex,
-            f"batch {batch} in m={m} micro-batches of {sizes}: the gradient differs "
-            f"from the full batch's by up to "
-            f"{max((a - b).abs().max().item() for a, b in zip(got, want)):.1e}: {hint}",
+            f"batch {batch} in m={m} micro-batches of {sizes}: the gradient differs from the "
+            f"full batch's by up to {max_abs_diff(got, want):.1e}: {hint}",
         )
     passed(ex, "batch 33 in 4, 32 in 3 and 32 in 4 micro-batches give the full batch's gradient")

@@ -2,23 +2,23 @@
 the article's ``view(-1, 4608)`` succeeds, and three rank-side functions that each fix one flaw of
 the article's DDP sample (the loader's shares and ``set_epoch``, ``rank = gpu``, the loss printed).
 
-The rank-side checkers run the learner's file in ranks and read what the ranks logged
-(``runlog``) or returned; see :mod:`mgtutorial.exercises._common`.
+The rank-side checkers run the learner's file in ranks (06a.2 with
+:func:`~mgtutorial.exercises._common.run_file`, 06a.3 and 06a.4 in the workers of
+:mod:`mgtutorial.exercises.ch06_ranks`) and read what the ranks logged (``runlog``) or returned.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
+from mgtutorial.article import ddp_flaws
 from mgtutorial.common.models import cnn_flatten_size
+from mgtutorial.exercises import ch06_ranks
 from mgtutorial.exercises._common import (
     ExerciseError,
     RankFailed,
@@ -31,7 +31,7 @@ from mgtutorial.exercises._common import (
     run_file,
     run_ranks,
 )
-from mgtutorial.runtime import env, runlog
+from mgtutorial.runtime import runlog
 
 
 def _a(value) -> str:
@@ -45,9 +45,10 @@ IMAGE = (3, 64, 64)
 
 
 def view_batch_sizes(predicted) -> None:
-    """06a.1: ``predicted`` maps every batch size B in 1…100 for which the sample's ``view(-1, 4608)``
-    succeeds on the features of B images of 64×64 (``cnn_flatten_size((3, 64, 64))`` per image) to
-    the number of rows (int) it gives; the checker tries each batch size on a real tensor."""
+    """06a.1: ``predicted`` maps every batch size B in 1…100 for which the sample's
+    ``view(-1, 4608)`` succeeds on the features of B images of 64×64
+    (``cnn_flatten_size((3, 64, 64))`` per image) to the number of rows (int) it gives; the checker
+    tries each batch size on a real tensor."""
     ex = "06a.1 batch sizes"
     predicted = answered(predicted, ex, "predicted")
     require(
@@ -89,7 +90,8 @@ def view_batch_sizes(predicted) -> None:
     passed(
         ex,
         f"view(-1, 4608) succeeds on 64×64 images for exactly {len(works)} batch sizes of 1…100 "
-        f"({first} → {works[first]} rows, …, {last} → {works[last]} rows), each with the rows predicted",
+        f"({first} → {works[first]} rows, …, {last} → {works[last]} rows), each with the rows "
+        "predicted",
     )
 
 
@@ -98,9 +100,9 @@ def view_batch_sizes(predicted) -> None:
 
 def sampler_shares(path: str = "ex06a_loader.py", n_samples: int = 16) -> None:
     """06a.2: ``epoch_ids(cfg)`` in ``path`` logs, per epoch, ``kind="epoch_ids"`` records with the
-    sample ids (``ids``: list of ints) this rank trains on. Run on 2 ranks; verified from the records:
-    each epoch the ranks' shares are disjoint and cover the ``n_samples`` ids, and every rank's
-    order in epoch 1 differs from epoch 0."""
+    sample ids (``ids``: list of ints) this rank trains on. Run on 2 ranks; verified from the
+    records: each epoch the ranks' shares are disjoint and cover the ``n_samples`` ids, and every
+    rank's order in epoch 1 differs from epoch 0."""
     ex = "06a.2 sampler shares"
     result = run_file(ex, path, "epoch_ids", 2, options={"n_samples": n_samples})
     ids = {
@@ -154,77 +156,38 @@ def sampler_shares(path: str = "ex06a_loader.py", n_samples: int = 16) -> None:
 # --- 06a.3: the global rank on two nodes --------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class RankExerciseConfig:
-    """Configuration of :func:`rank_worker`."""
-
-    path: str
-    """The learner's file, defining ``global_rank(node_rank, local_rank, gpus_per_node) -> int``."""
-    gpus_per_node: int = 2
-    """GPUs per simulated node: rank r plays local rank r % gpus_per_node of node r // gpus_per_node."""
-    timeout_s: float = 3.0
-    """How long the process group waits for ranks that never join."""
-
-
-def rank_worker(cfg: RankExerciseConfig) -> dict:
-    """Join the process group with the rank the learner's ``global_rank`` computes on a simulated node.
-
-    Logs ``kind="rank_claim"`` (claimed_rank, node, local_rank) before joining; returns
-    {"claimed_rank", "rank", "world_size"} once a barrier has passed.
-    """
-    node, local = divmod(env.rank(), cfg.gpus_per_node)
-    rank = int(function_from(cfg.path, "global_rank")(node, local, cfg.gpus_per_node))
-    runlog.RunLog().write(kind="rank_claim", claimed_rank=rank, node=node, local_rank=local)
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=env.world_size(),
-        timeout=datetime.timedelta(seconds=cfg.timeout_s),
-    )
-    try:
-        dist.barrier()
-        return {"claimed_rank": rank, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
-    finally:
-        dist.destroy_process_group()
-
-
 def global_ranks(path: str = "ex06a_rank.py") -> None:
-    """06a.3: ``global_rank(node_rank, local_rank, gpus_per_node)`` in ``path`` returns the global rank.
+    """06a.3: ``global_rank(node_rank, local_rank, gpus_per_node)`` in ``path`` returns the global
+    rank.
 
     Runs 4 ranks as 2 simulated nodes × 2 GPUs, each joining a gloo group with the rank it computes
-    (3 s timeout); verified from the logged claims and the ranks' return values, then on the
-    tables of 2 nodes × 1 and × 4 GPUs (in this process).
+    (3 s timeout, :func:`~mgtutorial.exercises.ch06_ranks.rank_worker`); verified from the logged
+    claims and the ranks' return values, then on the tables of 2 nodes × 1 and × 4 GPUs (in this
+    process).
     """
     ex = "06a.3 global ranks"
-    fn = function_from(
-        path, "global_rank", ex
-    )  # a missing file or a syntax error, before any rank starts
+    # a missing file or a syntax error, before any rank starts
+    fn = function_from(path, "global_rank", ex)
+    cfg = ch06_ranks.RankExerciseConfig(path=str(Path(path).resolve()))
     with tempfile.TemporaryDirectory(prefix="ex06a-") as runs:
         try:
-            values = run_ranks(
-                ex,
-                rank_worker,
-                RankExerciseConfig(path=str(Path(path).resolve())),
-                4,
-                timeout_s=60,
-                runs_dir=runs,
-                name="global-rank",
-            ).values
+            launched = run_ranks(
+                ex, ch06_ranks.rank_worker, cfg, 4, timeout_s=60, runs_dir=runs, name="global-rank"
+            )
         except RankFailed as failed:
             claims = [
                 (r["node"], r["local_rank"], r["claimed_rank"])
-                for d in Path(runs).glob("global-rank-*")
-                for r in runlog.of_kind(runlog.read_run(d), "rank_claim")
+                for r in ch06_ranks.logged(runs, "global-rank", "rank_claim")
             ]
             require(
                 sorted(c for _, _, c in claims) != list(range(4)),
                 ex,
                 "every rank claimed a correct rank (0 … 3, once each); the machine was too busy "
-                f"to meet the {RankExerciseConfig.timeout_s:g} s timeout: run the checker again",
+                f"to meet the {cfg.timeout_s:g} s timeout: run the checker again",
             )
             shown = ", ".join(f"node {n} GPU {g} → {c}" for n, g, c in sorted(claims))
             how = (
-                f"waited until its {RankExerciseConfig.timeout_s:g} s timeout"
+                f"waited until its {cfg.timeout_s:g} s timeout"
                 if "timeout" in failed.hint
                 else f"failed with {failed.exc_type}"
             )
@@ -235,47 +198,36 @@ def global_ranks(path: str = "ex06a_rank.py") -> None:
                 "counts the processes of all nodes, not the GPUs of its own node "
                 "(the article's rank = gpu)",
             ) from None
-    for rank, v in sorted(values.items()):
-        node, local = divmod(rank, RankExerciseConfig.gpus_per_node)
+    for rank, v in sorted(launched.values.items()):
+        node, local = divmod(rank, cfg.gpus_per_node)
         require(
             v["claimed_rank"] == v["rank"] == rank,
             ex,
-            f"the process launched as rank {rank} (node {node}, GPU {local}) claimed rank {v['claimed_rank']}: "
-            "ranks count node by node: all of node 0's processes first, then node 1's",
+            f"the process launched as rank {rank} (node {node}, GPU {local}) claimed rank "
+            f"{v['claimed_rank']}: ranks count node by node: all of node 0's processes first, "
+            "then node 1's",
         )
     reads_rank = (
         "compute it from the three arguments (a real worker reads RANK; this function is "
         "checked on tables too)"
     )
-    saved = os.environ.get("RANK")
-    os.environ["RANK"] = "97"  # a rank no table has: a function that reads RANK returns it
-    try:
-        for gpus in (1, 4):
-            for node in (0, 1):
-                for local in range(gpus):
-                    try:
-                        got = attempt(ex, fn, node, local, gpus)
-                    except ExerciseError as e:
-                        raise ExerciseError(
-                            ex, f"{e.hint}; {reads_rank}" if "RANK" in e.hint else e.hint
-                        ) from e
-                    want = node * gpus + local
-                    require(
-                        str(got) != "97",
-                        ex,
-                        f"global_rank({node}, {local}, {gpus}) returned RANK: {reads_rank}",
-                    )
-                    require(
-                        got == want,
-                        ex,
-                        f"global_rank({node}, {local}, {gpus}) returned {got}, not {want}: "
-                        "use gpus_per_node rather than a fixed number",
-                    )
-    finally:
-        if saved is None:
-            os.environ.pop("RANK")
-        else:
-            os.environ["RANK"] = saved
+    tables = [(node, local, gpus) for gpus in (1, 4) for node in (0, 1) for local in range(gpus)]
+    # a rank no table has: a function that reads RANK returns it
+    with mock.patch.dict(os.environ, RANK="97"):
+        for node, local, gpus in tables:
+            try:
+                got = attempt(ex, fn, node, local, gpus)
+            except ExerciseError as e:
+                hint = f"{e.hint}; {reads_rank}" if "RANK" in e.hint else e.hint
+                raise ExerciseError(ex, hint) from e
+            call = f"global_rank({node}, {local}, {gpus})"
+            require(str(got) != "97", ex, f"{call} returned RANK: {reads_rank}")
+            require(
+                got == node * gpus + local,
+                ex,
+                f"{call} returned {got}, not {node * gpus + local}: use gpus_per_node rather "
+                "than a fixed number",
+            )
     passed(
         ex,
         "4 processes on 2 simulated nodes × 2 GPUs joined as ranks 0, 1, 2, 3, and the 2 × 1 "
@@ -286,59 +238,18 @@ def global_ranks(path: str = "ex06a_rank.py") -> None:
 # --- 06a.4: the epoch loss, over all ranks -------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class LossExerciseConfig:
-    """Configuration of :func:`loss_worker`."""
-
-    path: str
-    """The learner's file, defining ``epoch_loss(losses, ctx) -> float``."""
-    seed: int = 0
-    """Seed of the model and of each rank's batches."""
-
-
-def batch_losses(rank: int, seed: int = 0, batch_size: int = 4) -> list[float]:
-    """Rank ``rank``'s batch losses for one epoch: ``4 + 2 * rank`` batches (unequal on purpose) of a
-    fixed ``Linear(8, 3)``, the same numbers in a rank and in a single process."""
-    torch.manual_seed(seed)
-    model = nn.Linear(8, 3)
-    g = torch.Generator().manual_seed(seed + 1 + rank)
-    with torch.no_grad():
-        return [
-            nn.functional.cross_entropy(
-                model(torch.randn(batch_size, 8, generator=g)),
-                torch.randint(0, 3, (batch_size,), generator=g),
-            ).item()
-            for _ in range(4 + 2 * rank)
-        ]
-
-
-def loss_worker(cfg: LossExerciseConfig) -> dict:
-    """Call the learner's ``epoch_loss(losses, ctx)`` on this rank's :func:`batch_losses`; log and
-    return ``{"losses", "reported"}`` (``kind="epoch_loss"``)."""
-    epoch_loss = function_from(cfg.path, "epoch_loss")
-    with env.distributed() as ctx, runlog.RunLog() as log:
-        losses = batch_losses(ctx.rank, cfg.seed)
-        reported = float(epoch_loss(losses, ctx))
-        return log.write(kind="epoch_loss", losses=losses, reported=reported)
-
-
 def global_mean_loss(path: str = "ex06a_loss.py") -> None:
-    """06a.4: ``epoch_loss(losses, ctx)`` in ``path`` turns this rank's list of batch losses (floats)
-    into the epoch's loss over *all* ranks' batches (a float, the same on every rank).
+    """06a.4: ``epoch_loss(losses, ctx)`` in ``path`` turns this rank's list of batch losses
+    (floats) into the epoch's loss over *all* ranks' batches (a float, the same on every rank).
 
-    Run on 2 ranks with 4 and 6 batches; verified from the logged records against the mean of all
-    10 losses computed in this process.
+    Run on 2 ranks with 4 and 6 batches (:func:`~mgtutorial.exercises.ch06_ranks.loss_worker`);
+    verified from the logged records against the mean of all 10 losses computed in this process.
     """
     ex = "06a.4 global mean loss"
     function_from(path, "epoch_loss", ex)
+    cfg = ch06_ranks.LossExerciseConfig(path=str(Path(path).resolve()))
     try:
-        result = run_ranks(
-            ex,
-            loss_worker,
-            LossExerciseConfig(path=str(Path(path).resolve())),
-            2,
-            name="epoch-loss",
-        )
+        result = run_ranks(ex, ch06_ranks.loss_worker, cfg, 2, name="epoch-loss")
     except RankFailed as failed:
         if "device type cpu" in failed.hint.lower():  # NCCL (backend "auto" with a GPU per rank)
             raise ExerciseError(
@@ -351,7 +262,7 @@ def global_mean_loss(path: str = "ex06a_loss.py") -> None:
         r["rank"]: r["reported"]
         for r in runlog.of_kind(runlog.read_run(result.run_dir), "epoch_loss")
     }
-    own = {r: batch_losses(r) for r in (0, 1)}
+    own = {r: ddp_flaws.batch_losses(r) for r in (0, 1)}
     reference = sum(own[0] + own[1]) / len(own[0] + own[1])  # one process, every batch
     if not close(got[0], got[1], rel=1e-6):
         which = (
@@ -369,8 +280,8 @@ def global_mean_loss(path: str = "ex06a_loss.py") -> None:
         not close(got[0], means, rel=1e-5),
         ex,
         f"both ranks report {got[0]:.4f}, the mean of the two ranks' means, but rank 0 has "
-        f"{len(own[0])} batches and rank 1 {len(own[1])}: the mean of all batches is {reference:.4f}; "
-        "all-reduce the sum and the count, then divide",
+        f"{len(own[0])} batches and rank 1 {len(own[1])}: the mean of all batches is "
+        f"{reference:.4f}; all-reduce the sum and the count, then divide",
     )
     require(
         close(got[0], reference, rel=1e-5),

@@ -2,24 +2,21 @@
 article's copies together, the bytes ``retain_graph=True`` keeps alive, stages whose parameters add
 up to one model, and the world size a process group is told.
 
-The rank-side checkers run the learner's file in ranks and read what the ranks logged or returned;
-see :mod:`mgtutorial.exercises._common`.
+The rank-side checkers (06b.1, 06b.4) run the learner's file in the workers of
+:mod:`mgtutorial.exercises.ch06_ranks` and read what the ranks logged or returned.
 """
 
 from __future__ import annotations
 
-import datetime
-import itertools
-import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from mgtutorial.common.models import ArticleMLP, count_parameters
+from mgtutorial.article import model_parallel_flaws
+from mgtutorial.common.models import ArticleMLP
+from mgtutorial.exercises import ch06_ranks
 from mgtutorial.exercises._common import (
     ExerciseError,
     RankFailed,
@@ -31,61 +28,26 @@ from mgtutorial.exercises._common import (
     require,
     run_ranks,
 )
-from mgtutorial.pipeline import naive as MP
-from mgtutorial.pipeline.timeline import ActivationMeter
-from mgtutorial.runtime import env, runlog
+from mgtutorial.exercises.splits import check_split
+from mgtutorial.pipeline.activations import ActivationMeter
+from mgtutorial.runtime import runlog
 
 # --- 06b.1: the copies, brought together ---------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class SyncConfig:
-    """Configuration of :func:`sync_worker`."""
-
-    path: str
-    """The learner's file, defining ``sync_gradients(model, ctx)``."""
-    steps: int = 4
-    """Optimizer steps (data, seed and learning rate as ``MP.ArticleConfig``'s)."""
-
-
-def sync_worker(cfg: SyncConfig) -> dict:
-    """``MP.article_worker`` with one line added: the learner's ``sync_gradients(model, ctx)``
-    between ``backward()`` and the optimizer step. Logs the same ``article_start``/``article``
-    records and saves ``rank<r>-model.pt``."""
-    sync_gradients = function_from(cfg.path, "sync_gradients")
-    art = MP.ArticleConfig(steps=cfg.steps)
-    with env.distributed() as ctx, runlog.RunLog() as log:
-        env.seed_everything(art.seed)
-        model = ArticleMLP().to(ctx.device)
-        opt = torch.optim.SGD(model.parameters(), lr=art.lr)
-        log.write(kind="article_start", checksum=MP.checksum(model))
-        for step, (x, y) in enumerate(MP.article_batches(art, ctx.rank), start=1):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device)).backward()
-            sync_gradients(model, ctx)  # the line the article lacks
-            opt.step()
-            log.write(kind="article", step=step, checksum=MP.checksum(model))
-        torch.save(model.state_dict(), runlog.run_dir() / f"rank{ctx.rank}-model.pt")
-        return {"rank": ctx.rank}
-
-
 def copies_together(path: str = "ex06b_sync.py", steps: int = 4) -> None:
-    """06b.1: ``sync_gradients(model, ctx)`` in ``path`` runs in each rank of :func:`sync_worker`
-    between ``backward()`` and the optimizer step.
+    """06b.1: ``sync_gradients(model, ctx)`` in ``path`` runs in each rank of
+    :func:`~mgtutorial.exercises.ch06_ranks.sync_worker` between ``backward()`` and the optimizer
+    step.
 
-    Verified from the records of 2 ranks: the checksums are equal at the start and after every step,
-    and the final weights equal one model trained in this process on both ranks' batches at once
-    (``torch.testing.assert_close``).
+    Verified from the records of 2 ranks: the checksums are equal at the start and after every
+    step, and the final weights equal one model trained in this process on both ranks' batches at
+    once (``torch.testing.assert_close``).
     """
     ex = "06b.1 copies together"
     function_from(path, "sync_gradients", ex)
-    result = run_ranks(
-        ex,
-        sync_worker,
-        SyncConfig(path=str(Path(path).resolve()), steps=steps),
-        2,
-        name="article-sync",
-    )
+    cfg = ch06_ranks.SyncConfig(path=str(Path(path).resolve()), steps=steps)
+    result = run_ranks(ex, ch06_ranks.sync_worker, cfg, 2, name="article-sync")
     records = runlog.read_run(result.run_dir)
     start = {r["rank"]: r["checksum"] for r in runlog.of_kind(records, "article_start")}
     require(
@@ -97,15 +59,17 @@ def copies_together(path: str = "ex06b_sync.py", steps: int = 4) -> None:
         require(
             close(a, b, rel=1e-9),
             ex,
-            f"after step {step} the copies' checksums differ ({a:.6f} on rank 0, {b:.6f} on rank 1): "
-            "each copy stepped with its own gradients; all-reduce every p.grad and divide by the world size",
+            f"after step {step} the copies' checksums differ ({a:.6f} on rank 0, {b:.6f} on "
+            "rank 1): each copy stepped with its own gradients; all-reduce every p.grad and "
+            "divide by the world size",
         )
-    # on the CPU, whichever device the ranks trained on (NCCL saves CUDA tensors); the reference is a
-    # CPU model, so the comparison has a tolerance
+    # on the CPU, whichever device the ranks trained on (NCCL saves CUDA tensors); the reference is
+    # a CPU model, so the comparison has a tolerance
     final = torch.load(result.run_dir / "rank0-model.pt", map_location="cpu", weights_only=True)
-    art = MP.ArticleConfig(steps=steps)
-    if not _close_dicts(final, MP.combined_batch_reference(art, 2)):
-        if _close_dicts(final, MP.combined_batch_reference(art, 1)):  # rank 0's batches alone
+    art = model_parallel_flaws.ArticleConfig(steps=steps)
+    reference = model_parallel_flaws.combined_batch_reference
+    if not _close_dicts(final, reference(art, 2)):
+        if _close_dicts(final, reference(art, 1)):  # rank 0's batches alone
             raise ExerciseError(
                 ex,
                 "the copies stay equal, but they follow rank 0's gradients alone (a broadcast?): "
@@ -137,11 +101,13 @@ def _close_dicts(got: dict, want: dict) -> bool:
 # --- 06b.2: what retain_graph=True keeps ---------------------------------------------------------
 
 SIZES = (2048, 256, 10)
-"""The layer sizes of 06b.2's MLP: not the article's, so that section 2.3's numbers are no answer."""
+"""The layer sizes of 06b.2's MLP: not the article's, so that section 2.3's numbers are no
+answer."""
 
 
 def alive_after_step(retain_graph: bool, batch_size: int, sizes: tuple[int, ...] = SIZES) -> int:
-    """Bytes of saved activations still alive after one step of ``ArticleMLP(sizes)`` (ActivationMeter)."""
+    """Bytes of saved activations still alive after one step of ``ArticleMLP(sizes)``
+    (:class:`~mgtutorial.pipeline.activations.ActivationMeter`)."""
     torch.manual_seed(0)
     model = ArticleMLP(sizes=sizes)
     x, y = torch.randn(batch_size, sizes[0]), torch.randint(0, sizes[-1], (batch_size,))
@@ -153,9 +119,9 @@ def alive_after_step(retain_graph: bool, batch_size: int, sizes: tuple[int, ...]
 
 
 def retained_bytes(predicted: dict) -> None:
-    """06b.2: ``predicted[B]`` is the number of bytes (int) of saved activations alive after one step
-    with ``retain_graph=True`` of ``ArticleMLP(sizes=(2048, 256, 10))`` at batch size B (B = 1, 256);
-    the checker measures each."""
+    """06b.2: ``predicted[B]`` is the number of bytes (int) of saved activations alive after one
+    step with ``retain_graph=True`` of ``ArticleMLP(sizes=(2048, 256, 10))`` at batch size B
+    (B = 1, 256); the checker measures each."""
     ex = "06b.2 retained bytes"
     require(
         isinstance(predicted, dict),
@@ -166,40 +132,31 @@ def retained_bytes(predicted: dict) -> None:
     floats = " + ".join(map(str, SIZES))
     for b in (1, 256):
         guess = answered(predicted.get(b), ex, f"predicted[{b}]")
+        whole = isinstance(guess, float) and guess.is_integer()
         require(
             isinstance(guess, int) and not isinstance(guess, bool),
             ex,
-            f"predicted[{b}] is {guess!r} ({type(guess).__name__}): give a whole number of bytes (an int"
-            + (f", e.g. int({guess!r})" if isinstance(guess, float) and guess.is_integer() else "")
-            + ")",
+            f"predicted[{b}] is {guess!r} ({type(guess).__name__}): give a whole number of bytes "
+            f"(an int{f', e.g. int({guess!r})' if whole else ''})",
         )
         got = alive_after_step(True, b)
         require(
             guess == got,
             ex,
             f"at batch {b} the meter measures {got:,} bytes alive after the step, you predicted "
-            f"{guess:,}: count B × ({floats}) float32 values (each layer's input and the log-softmax "
-            "of the logits, 4 bytes each), B int64 targets (8 bytes) and the loss's 4-byte scalar",
+            f"{guess:,}: count B × ({floats}) float32 values (each layer's input and the "
+            "log-softmax of the logits, 4 bytes each), B int64 targets (8 bytes) and the loss's "
+            "4-byte scalar",
         )
     require(alive_after_step(False, 256) == 0, ex, "a plain backward() left activations alive")
     passed(
         ex,
-        f"the bytes retain_graph=True keeps alive in ArticleMLP(sizes={SIZES}) at batch 1 and 256 are as "
-        "predicted (and 0 without it)",
+        f"the bytes retain_graph=True keeps alive in ArticleMLP(sizes={SIZES}) at batch 1 and 256 "
+        "are as predicted (and 0 without it)",
     )
 
 
 # --- 06b.3: stages that add up to one model ------------------------------------------------------
-
-
-def _best_largest(sizes: list[int], num_stages: int) -> int:
-    """The smallest possible largest stage when consecutive blocks of ``sizes`` form ``num_stages`` stages."""
-    best = None
-    for cuts in itertools.combinations(range(1, len(sizes)), num_stages - 1):
-        bounds = (0, *cuts, len(sizes))
-        largest = max(sum(sizes[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
-        best = largest if best is None else min(best, largest)
-    return best
 
 
 def stage_split(split_stages) -> None:
@@ -208,70 +165,15 @@ def stage_split(split_stages) -> None:
 
     Verified for 1, 2, 3 stages: every parameter of the model in exactly one stage (the stages'
     counts add up to the model's), stage by stage the same output as the model, and the largest
-    stage as small as a split into consecutive sub-networks allows.
+    stage as small as a split into consecutive sub-networks allows
+    (:func:`~mgtutorial.exercises.splits.check_split`, as in exercise 04.3).
     """
     ex = "06b.3 stages"
+    whole_model = "every stage is the whole model (the article's flaw 2.1)"
     for n in (1, 2, 3):
         model = ArticleMLP()
-        stages = list(attempt(ex, split_stages, model, n))
-        require(
-            len(stages) == n, ex, f"split_stages(model, {n}) returned {len(stages)} stages, not {n}"
-        )
-        for i, s in enumerate(stages):
-            require(
-                isinstance(s, nn.Module) and not isinstance(s, nn.ModuleList),
-                ex,
-                f"with {n} stage{'s' * (n > 1)}, stage {i} is of type {type(s).__name__}: each stage must be one "
-                "callable module; "
-                "a slice of model.subnets is a ModuleList, which has no forward: wrap it, "
-                "nn.Sequential(*model.subnets[a:b])",
-            )
-        counts = [count_parameters(s) for s in stages]
-        whole = count_parameters(model)
-        require(
-            sum(counts) == whole,
-            ex,
-            f"your {n} stages hold {sum(counts):,} parameters together, the model {whole:,}"
-            + (
-                ": every stage is the whole model (the article's flaw 2.1); give each stage its own "
-                "consecutive sub-networks, nn.Sequential(*model.subnets[a:b])"
-                if counts == [whole] * n
-                else ": every parameter belongs to exactly one stage"
-            ),
-        )
-        owned = [id(p) for s in stages for p in s.parameters()]
-        require(
-            sorted(owned) == sorted(id(p) for p in model.parameters()),
-            ex,
-            "the stages hold new parameters: reuse the model's sub-networks, do not build new layers",
-        )
-        x = torch.randn(3, model.sizes[0])
-        h = x
-        for i, s in enumerate(stages):
-            try:
-                h = s(h)
-            except Exception as e:
-                raise ExerciseError(
-                    ex,
-                    f"with {n} stage{'s' * (n > 1)}, stage {i} ({type(s).__name__}) raised "
-                    f"{type(e).__name__} when called: each stage must be one callable module, e.g. "
-                    "nn.Sequential(*model.subnets[a:b])",
-                ) from e
-        require(
-            torch.equal(h, model(x)),
-            ex,
-            f"with {n} stages, the stages applied in order do not compute "
-            "the model's output: keep the sub-networks in their order",
-        )
-        sizes = [count_parameters(s) for s in model.subnets]
-        best = _best_largest(sizes, n)
-        require(
-            max(counts) == best,
-            ex,
-            f"with {n} stages the largest holds {max(counts):,} parameters {counts}, but a split of "
-            f"consecutive sub-networks can keep every stage at {best:,} or less: balance the "
-            "parameters, not the number of sub-networks",
-        )
+        stages = attempt(ex, split_stages, model, n)
+        check_split(ex, f"split_stages(model, {n})", model, stages, n, whole_model)
     passed(
         ex,
         "1, 2 and 3 stages hold every parameter once, compute the model's output, and the "
@@ -282,70 +184,29 @@ def stage_split(split_stages) -> None:
 # --- 06b.4: the world a process group is told, on two nodes --------------------------------------
 
 
-@dataclass(kw_only=True)
-class WorldConfig:
-    """Configuration of :func:`world_worker`."""
-
-    path: str
-    """The learner's file, defining ``join(part) -> {"world_size", "rank", "stage"}``."""
-    subnets: int = 3
-    """Processes per simulated node, one per sub-network: rank r plays part r % subnets of node r // subnets."""
-    timeout_s: float = 3.0
-    """How long the process group waits for ranks that never join."""
-
-
-def world_worker(cfg: WorldConfig) -> dict:
-    """Join a gloo group with the world size and rank the learner's ``join(part)`` gives this process
-    on its simulated node (``part``: the sub-network it was started for, as the sample's
-    ``mp.Process(args=(i, …))``); logs ``kind="world_claim"`` before joining and returns the claim
-    with the group's ``group_rank``/``group_world_size`` once a barrier has passed."""
-    node, part = divmod(env.rank(), cfg.subnets)
-    os.environ.update(
-        LOCAL_RANK=str(part), LOCAL_WORLD_SIZE=str(cfg.subnets)
-    )  # as on a node of its own
-    claim = dict(function_from(cfg.path, "join")(part))
-    runlog.RunLog().write(
-        kind="world_claim",
-        node=node,
-        part=part,
-        **{k: claim.get(k) for k in ("world_size", "rank", "stage")},
-    )
-    dist.init_process_group(
-        "gloo",
-        rank=int(claim["rank"]),
-        world_size=int(claim["world_size"]),
-        timeout=datetime.timedelta(seconds=cfg.timeout_s),
-    )
-    try:
-        dist.barrier()
-        return {**claim, "group_rank": dist.get_rank(), "group_world_size": dist.get_world_size()}
-    finally:
-        dist.destroy_process_group()
-
-
 def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -> None:
     """06b.4: ``join(part)`` in ``path`` returns ``{"world_size", "rank", "stage"}`` for the process
     started for sub-network ``part`` (0 … subnets − 1) on its node.
 
     Runs ``nodes × subnets`` processes (2 simulated nodes × 3, a 3 s timeout), each joining a gloo
-    group with the world size and rank it returns; verified from the logged claims and the ranks'
-    return values: the world is the 6 processes, each rank is the one the process was started as,
-    and each runs stage rank % subnets.
+    group with the world size and rank it returns
+    (:func:`~mgtutorial.exercises.ch06_ranks.world_worker`); verified from the logged claims and
+    the ranks' return values: the world is the 6 processes, each rank is the one the process was
+    started as, and each runs stage rank % subnets.
     """
     ex = "06b.4 world size"
     function_from(path, "join", ex)  # a missing file or a syntax error, before any rank starts
     nprocs = nodes * subnets
-    cfg = WorldConfig(path=str(Path(path).resolve()), subnets=subnets)
+    cfg = ch06_ranks.WorldConfig(path=str(Path(path).resolve()), subnets=subnets)
     with tempfile.TemporaryDirectory(prefix="ex06b-") as runs:
         try:
             values = run_ranks(
-                ex, world_worker, cfg, nprocs, timeout_s=60, runs_dir=runs, name="world"
+                ex, ch06_ranks.world_worker, cfg, nprocs, timeout_s=60, runs_dir=runs, name="world"
             ).values
         except RankFailed as failed:
             claims = sorted(
                 (r["node"], r["part"], r["world_size"], r["rank"])
-                for d in Path(runs).glob("world-*")
-                for r in runlog.of_kind(runlog.read_run(d), "world_claim")
+                for r in ch06_ranks.logged(runs, "world", "world_claim")
             )
             if len(claims) < nprocs:  # join itself failed in a rank
                 raise
@@ -353,16 +214,17 @@ def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -
             require(
                 worlds == [nprocs],
                 ex,
-                f"the {nprocs} processes ({nodes} nodes × {subnets} sub-networks) told the group a world of "
-                f"{', '.join(map(str, worlds))} and waited for ranks that never came: the world is the "
-                "processes actually started, not num_gpus × subnets (the article's flaw 2.2); read "
-                "WORLD_SIZE (env.world_size())",
+                f"the {nprocs} processes ({nodes} nodes × {subnets} sub-networks) told the group "
+                f"a world of {', '.join(map(str, worlds))} and waited for ranks that never came: "
+                "the world is the processes actually started, not num_gpus × subnets (the "
+                "article's flaw 2.2); read WORLD_SIZE (env.world_size())",
             )
             require(
                 sorted(r for *_, r in claims) != list(range(nprocs)),
                 ex,
-                f"every rank claimed a correct rank (0 … {nprocs - 1}, once each, in a world of {nprocs}); the "
-                f"machine was too busy to meet the {cfg.timeout_s:g} s timeout: run the checker again",
+                f"every rank claimed a correct rank (0 … {nprocs - 1}, once each, in a world of "
+                f"{nprocs}); the machine was too busy to meet the {cfg.timeout_s:g} s timeout: "
+                "run the checker again",
             )
             shown = ", ".join(f"node {n} part {p} → {r}" for n, p, _, r in claims)
             why = (
@@ -386,11 +248,13 @@ def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -
         require(
             v["stage"] == rank % subnets,
             ex,
-            f"rank {rank} (node {node}) runs stage {v['stage']}, but there are only {subnets} sub-networks: "
-            "node 1 runs the same three as node 0, so stage = rank % subnets, a separate number from the rank",
+            f"rank {rank} (node {node}) runs stage {v['stage']}, but there are only {subnets} "
+            "sub-networks: node 1 runs the same three as node 0, so stage = rank % subnets, a "
+            "separate number from the rank",
         )
+    stages = ", ".join(str(v["stage"]) for _, v in sorted(values.items()))
     passed(
         ex,
         f"{nprocs} processes on {nodes} simulated nodes joined a world of {nprocs} as ranks 0 … "
-        f"{nprocs - 1}, running stages {', '.join(str(v['stage']) for _, v in sorted(values.items()))}",
+        f"{nprocs - 1}, running stages {stages}",
     )

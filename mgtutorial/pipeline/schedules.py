@@ -1,15 +1,18 @@
-"""Pipeline parallelism: GPipe by hand, GPipe and 1F1B with ``torch.distributed.pipelining`` (one
-stage per rank), and interleaved 1F1B (``ScheduleInterleaved1F1B``, two stages per rank).
-Timelines, bubbles and activation memory are in :mod:`mgtutorial.pipeline.timeline`, the naive split in
-:mod:`mgtutorial.pipeline.naive`.
+"""Pipeline parallelism: GPipe and 1F1B with ``torch.distributed.pipelining`` (one stage per rank),
+interleaved 1F1B (``ScheduleInterleaved1F1B``, two stages per rank) and GPipe by hand
+(:mod:`mgtutorial.pipeline.hand_gpipe`), run by one worker.
 
 Taught in notebooks/04_model_parallel.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.pipelining.html and the GPipe (Huang et al., 2019) and
 1F1B (PipeDream-Flush, Narayanan et al., 2021) schedules, and its interleaved variant (same paper).
+The boxes each stage logs are in :mod:`mgtutorial.pipeline.timeline`, the bubble they leave in
+:mod:`mgtutorial.pipeline.bubble`, activation memory in :mod:`mgtutorial.pipeline.activations`, the
+naive split in :mod:`mgtutorial.pipeline.naive`.
 
-One stage per rank (two for "interleaved": s and s + p): rank s holds stage s of the article's MLP (:meth:`ArticleMLP.split`). A batch of
-``batch_size`` samples is cut into ``n_microbatches`` micro-batches; activations travel forward to
-rank s+1 and gradients back to rank s−1 with point-to-point send/recv. From the shell::
+One stage per rank (two for "interleaved": s and s + p): rank s holds stage s of the article's MLP
+(:meth:`~mgtutorial.common.models.ArticleMLP.split`). A batch of ``batch_size`` samples is cut into
+``n_microbatches`` micro-batches; activations travel forward to rank s+1 and gradients back to rank
+s−1 with point-to-point send/recv. From the shell::
 
     torchrun --standalone --nproc-per-node 2 -m mgtutorial pipeline --schedule 1f1b --microbatches 4
 """
@@ -18,27 +21,30 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from mgtutorial.common import models
-from mgtutorial.common.config import at_least, positive, rank_or_none
-from mgtutorial.pipeline import timeline as T
+from mgtutorial.common.config import Config, at_least, positive, rank_or_none
+from mgtutorial.pipeline import hand_gpipe, timeline
+from mgtutorial.pipeline.activations import ActivationMeter
 from mgtutorial.runtime import env, runlog
 
-SCHEDULES = ("hand-gpipe", "gpipe", "1f1b", "interleaved")
+Schedule = Literal["hand-gpipe", "gpipe", "1f1b", "interleaved"]
+"""A pipeline schedule: "hand-gpipe" is :mod:`mgtutorial.pipeline.hand_gpipe`'s, the others are
+torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B."""
+SCHEDULES = get_args(Schedule)  # the command line's --schedule choices
 
 
 def mlp_data(
     n: int = 2048, in_features: int = 1024, num_classes: int = 100, seed: int = 0
 ) -> TensorDataset:
-    """Seeded inputs ``(n, in_features)`` with labels from a fixed random linear teacher (learnable).
-
-    Every rank builds the identical set (same seed): stage 0 needs the inputs, the last stage the labels.
-    """
+    """Seeded inputs ``(n, in_features)`` with labels from a fixed random linear teacher
+    (learnable). Every rank builds the identical set (same seed): stage 0 needs the inputs, the
+    last stage the labels."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, in_features, generator=g)
     teacher = torch.randn(in_features, num_classes, generator=g)
@@ -46,12 +52,12 @@ def mlp_data(
 
 
 @dataclass(kw_only=True)
-class PipelineConfig:
+class PipelineConfig(Config):
     """Configuration of :func:`worker` (and of the single-process reference)."""
 
-    schedule: str = "gpipe"
-    """"hand-gpipe" (written here with send/recv) | "gpipe" | "1f1b" | "interleaved"
-    (torch.distributed.pipelining; "interleaved" is ScheduleInterleaved1F1B with two stages per rank)."""
+    schedule: Schedule = "gpipe"
+    """"hand-gpipe" (:func:`mgtutorial.pipeline.hand_gpipe.step`), "gpipe", "1f1b" or
+    "interleaved" (torch.distributed.pipelining; "interleaved": two stages per rank)."""
     n_microbatches: int = 4
     """Micro-batches per step (m). 1 = naive model parallelism: one stage busy at a time."""
     batch_size: int = 64
@@ -63,9 +69,10 @@ class PipelineConfig:
     sizes: list[int] = field(default_factory=lambda: [1024, 512, 256, 100])
     """Layer widths of the MLP (the article's by default); one sub-network per consecutive pair."""
     seed: int = 0
-    """Seed of the initial weights (the whole model is built, then split, so all splits start equal)."""
-    backend: str = "auto"
-    """"auto" | "gloo" | "nccl"."""
+    """Seed of the initial weights (the whole model is built, then split: every split starts
+    equal)."""
+    backend: env.BackendChoice = "auto"
+    """The process group's backend; "auto": NCCL with a GPU per rank, else gloo."""
     timeout_s: float = 60.0
     """Collective timeout in seconds."""
     save_params: bool = True
@@ -73,59 +80,56 @@ class PipelineConfig:
     fail_stage: int = -1
     """Fault injection: this stage raises at step 2 (−1: never)."""
     input_grad: bool = False
-    """Stage 0 also computes the gradient of its input (work nobody needs), so that in an MLP of equal
-    layers every stage's backward does the same work (chapter 04's bubble measurement)."""
+    """Stage 0 also computes the gradient of its input (work nobody needs), so that in an MLP of
+    equal layers every stage's backward does the same work (chapter 04's bubble measurement)."""
 
-    def validate(self, world_size: int) -> None:
-        """Called by :func:`mgtutorial.launch` before any process starts (see :func:`check_config`)."""
-        check_config(self, world_size)
-
-
-def check_config(cfg: PipelineConfig, num_stages: int) -> None:
-    """Refuse, before any work, what the schedule cannot do. Raises ValueError naming the values."""
-    at_least(cfg, 1, "steps", "batch_size")
-    at_least(cfg, 0, "seed")
-    positive(cfg, "lr", "timeout_s")
-    if len(cfg.sizes) < 2 or any(not isinstance(w, int) or w < 1 for w in cfg.sizes):
-        raise ValueError(
-            f"sizes={cfg.sizes!r}: give at least two layer widths, each a positive integer."
-        )
-    if cfg.schedule not in SCHEDULES:
-        raise ValueError(f"schedule={cfg.schedule!r} is not one of {SCHEDULES}.")
-    if cfg.n_microbatches < 1 or cfg.n_microbatches > cfg.batch_size:
-        raise ValueError(
-            f"n_microbatches={cfg.n_microbatches} must be between 1 and batch_size={cfg.batch_size}."
-        )
-    if cfg.schedule != "hand-gpipe" and cfg.batch_size % cfg.n_microbatches:
-        raise ValueError(
-            f"batch_size={cfg.batch_size} is not divisible by n_microbatches={cfg.n_microbatches}: "
-            f"torch.distributed.pipelining weights every micro-batch's loss equally (1/{cfg.n_microbatches}), "
-            "which is only right for equal sizes. Use a batch size that is a multiple of the micro-batch "
-            "count, or schedule='hand-gpipe', which weights each micro-batch by its share."
-        )
-    if cfg.schedule == "1f1b" and cfg.n_microbatches < num_stages:
-        raise ValueError(
-            f"1F1B needs n_microbatches ≥ stages: {cfg.n_microbatches} < {num_stages}."
-        )
-    if cfg.schedule == "interleaved" and cfg.n_microbatches % num_stages:
-        raise ValueError(
-            f"interleaved needs n_microbatches divisible by the ranks: {cfg.n_microbatches} % {num_stages}."
-        )
-    stages = num_stages * (2 if cfg.schedule == "interleaved" else 1)
-    if stages > len(cfg.sizes) - 1:
-        raise ValueError(f"{stages} stages but the MLP has only {len(cfg.sizes) - 1} sub-networks.")
-    rank_or_none(cfg, "fail_stage", stages, "stage")
+    def validate(self, nprocs: int) -> None:
+        """Refuse, before any work, what the schedule cannot do on ``nprocs`` ranks: called by
+        :func:`mgtutorial.launch` before any process starts, and by :func:`worker`. Raises
+        ValueError naming the values."""
+        super().validate(nprocs)
+        at_least(self, 1, "steps", "batch_size")
+        at_least(self, 0, "seed")
+        positive(self, "lr", "timeout_s")
+        if len(self.sizes) < 2 or any(not isinstance(w, int) or w < 1 for w in self.sizes):
+            raise ValueError(
+                f"sizes={self.sizes!r}: give at least two layer widths, each a positive integer."
+            )
+        m = self.n_microbatches
+        if m < 1 or m > self.batch_size:
+            raise ValueError(
+                f"n_microbatches={m} must be between 1 and batch_size={self.batch_size}."
+            )
+        if self.schedule != "hand-gpipe" and self.batch_size % m:
+            raise ValueError(
+                f"batch_size={self.batch_size} is not divisible by n_microbatches={m}: "
+                "torch.distributed.pipelining weights every micro-batch's loss equally "
+                f"(1/{m}), which is only right for equal sizes. Use a batch size that is a "
+                "multiple of the micro-batch count, or schedule='hand-gpipe', which weights each "
+                "micro-batch by its share."
+            )
+        if self.schedule == "1f1b" and m < nprocs:
+            raise ValueError(f"1F1B needs n_microbatches ≥ stages: {m} < {nprocs}.")
+        if self.schedule == "interleaved" and m % nprocs:
+            raise ValueError(
+                f"interleaved needs n_microbatches divisible by the ranks: {m} % {nprocs}."
+            )
+        stages = nprocs * stages_per_rank(self)
+        if stages > len(self.sizes) - 1:
+            raise ValueError(
+                f"{stages} stages but the MLP has only {len(self.sizes) - 1} sub-networks."
+            )
+        rank_or_none(self, "fail_stage", stages, "stage")
 
 
-def microbatch_sizes(batch_size: int, n_microbatches: int) -> list[int]:
-    """Sizes of ``torch.tensor_split``'s chunks: as equal as possible, the first ones larger."""
-    q, r = divmod(batch_size, n_microbatches)
-    return [q + 1] * r + [q] * (n_microbatches - r)
+def stages_per_rank(cfg: PipelineConfig) -> int:
+    """2 for "interleaved" (rank r holds stages r and r + p), else 1 (stage = rank)."""
+    return 2 if cfg.schedule == "interleaved" else 1
 
 
 def build_stage(cfg: PipelineConfig, stage: int, num_stages: int) -> nn.Module:
-    """The seeded whole MLP, split into ``num_stages``; returns stage ``stage`` (shares no memory
-    with the other stages once they live in other processes)."""
+    """The seeded whole MLP, split into ``num_stages``; returns stage ``stage`` (it shares no
+    memory with the other stages once they live in other processes)."""
     env.seed_everything(cfg.seed)
     return models.ArticleMLP(tuple(cfg.sizes)).split(num_stages)[stage]
 
@@ -156,49 +160,6 @@ def unsplit_reference(cfg: PipelineConfig) -> tuple[nn.Module, list[float]]:
     return model, losses
 
 
-def _hand_gpipe_step(module: nn.Module, x, y, cfg: PipelineConfig, ctx: env.DistContext) -> float:
-    """One GPipe step by hand: all forwards (send activations on), then all backwards (send
-    gradients back); each micro-batch's loss weighted by its share n_i / batch."""
-    s, p = ctx.rank, ctx.world_size
-    sizes = microbatch_sizes(cfg.batch_size, cfg.n_microbatches)
-    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    in_features = module[0].linear.in_features  # what this stage receives
-    inputs, outputs, sends, total = [], [], [], 0.0
-    for i, n in enumerate(sizes):
-        if s == 0:
-            inp = x[bounds[i] : bounds[i + 1]].to(ctx.device).requires_grad_(cfg.input_grad)
-        else:
-            inp = torch.empty(n, in_features, device=ctx.device)
-            dist.recv(inp, s - 1)
-            inp.requires_grad_()
-        out = module(inp)
-        if s == p - 1:
-            target = y[bounds[i] : bounds[i + 1]].to(ctx.device)
-            out = nn.functional.cross_entropy(out, target) * (n / cfg.batch_size)
-            total += out.item()
-        else:
-            sends.append(dist.isend(out.detach(), s + 1))
-        inputs.append(inp)
-        outputs.append(out)
-    for i, out in enumerate(outputs):
-        if s == p - 1:
-            out.backward()
-        else:
-            grad = torch.empty_like(out)
-            dist.recv(grad, s + 1)
-            out.backward(grad)
-        if s > 0:
-            sends.append(dist.isend(inputs[i].grad, s - 1))
-    for req in sends:
-        req.wait()
-    return total
-
-
-def stages_per_rank(cfg: PipelineConfig) -> int:
-    """2 for "interleaved" (rank r holds stages r and r + p), else 1 (stage = rank)."""
-    return 2 if cfg.schedule == "interleaved" else 1
-
-
 def _library_schedule(cfg: PipelineConfig, modules: list[nn.Module], ctx: env.DistContext):
     """The torch.distributed.pipelining schedule over this rank's stage modules."""
     from torch.distributed.pipelining import (
@@ -220,25 +181,40 @@ def _library_schedule(cfg: PipelineConfig, modules: list[nn.Module], ctx: env.Di
     return cls(stages[0], cfg.n_microbatches, loss_fn=nn.functional.cross_entropy)
 
 
+def _library_step(schedule, x, y, cfg: PipelineConfig, ctx: env.DistContext) -> float | None:
+    """``schedule.step``: the inputs on rank 0 (first stage), the targets on the last rank."""
+    s, p = ctx.rank, ctx.world_size
+    if s == 0:
+        x = x.to(ctx.device).requires_grad_(cfg.input_grad)
+    args = (x,) if s == 0 else ()
+    if s != p - 1:
+        schedule.step(*args)
+        return None
+    mb_losses = []
+    schedule.step(*args, target=y.to(ctx.device), losses=mb_losses)
+    return float(torch.stack(mb_losses).mean())
+
+
 def worker(cfg: PipelineConfig) -> dict:
     """One pipeline stage per rank (stage = rank; two for "interleaved": r and r + p); trains
     ``cfg.steps`` steps with ``cfg.schedule``.
 
-    Logs per step ``kind="train"`` (last stage: loss) and the :class:`Timeline` events; writes each
-    stage's parameters to ``<run dir>/stage<s>.pt``. Returns {"stage", "losses", "peak_activation_bytes",
-    "step_times_s", "step_cpu_s", "step_wait_s"}: per step its wall time, the main thread's CPU time and
-    its time waiting for a core (:func:`~mgtutorial.pipeline.timeline.thread_clock`; None off Linux), seconds.
+    Logs per step ``kind="train"`` (last stage: loss) and the :class:`~timeline.Timeline` events;
+    writes each stage's parameters to ``<run dir>/stage<s>.pt``. Returns {"stage", "losses",
+    "peak_activation_bytes", "step_times_s", "step_cpu_s", "step_wait_s"}: per step its wall time,
+    the main thread's CPU time and its time waiting for a core (:func:`timeline.thread_clock`; None
+    off Linux), seconds.
 
     Raises:
-        ValueError: see :func:`check_config` (before any work).
+        ValueError: see :meth:`PipelineConfig.validate` (before any work).
     """
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
         s, p, v = ctx.rank, ctx.world_size, stages_per_rank(cfg)
-        check_config(cfg, p)
+        cfg.validate(p)
         ids = [s + i * p for i in range(v)]  # the global stages this rank holds
         modules = [build_stage(cfg, i, v * p).to(ctx.device) for i in ids]
-        memory = T.ActivationMeter(nn.ModuleList(modules))
-        timelines = [T.Timeline(mod, i, log, memory) for mod, i in zip(modules, ids)]
+        memory = ActivationMeter(nn.ModuleList(modules))
+        timelines = [timeline.Timeline(mod, i, log, memory) for mod, i in zip(modules, ids)]
         opt = torch.optim.SGD(nn.ModuleList(modules).parameters(), lr=cfg.lr)
         schedule = None if cfg.schedule == "hand-gpipe" else _library_schedule(cfg, modules, ctx)
         for t in timelines:
@@ -253,15 +229,17 @@ def worker(cfg: PipelineConfig) -> dict:
             for t in timelines:
                 t.new_step(step)
             opt.zero_grad(set_to_none=True)
-            t0, (c0, w0) = time.time(), T.thread_clock()
+            t0, (c0, w0) = time.time(), timeline.thread_clock()
             with memory.saving():
                 if schedule is None:
-                    loss = _hand_gpipe_step(modules[0], x, y, cfg, ctx)
+                    loss = hand_gpipe.step(
+                        modules[0], x, y, cfg.n_microbatches, ctx, cfg.input_grad
+                    )
                 else:
                     loss = _library_step(schedule, x, y, cfg, ctx)
             opt.step()
             times.append(time.time() - t0)
-            c1, w1 = T.thread_clock()
+            c1, w1 = timeline.thread_clock()
             cpu.append(c1 - c0)
             wait.append(None if w0 is None else w1 - w0)
             peaks.append(memory.peak_bytes)
@@ -283,23 +261,10 @@ def worker(cfg: PipelineConfig) -> dict:
         }
 
 
-def _library_step(schedule, x, y, cfg: PipelineConfig, ctx: env.DistContext) -> float | None:
-    """``schedule.step``: the inputs on rank 0 (first stage), the targets on the last rank."""
-    s, p = ctx.rank, ctx.world_size
-    if s == 0:
-        x = x.to(ctx.device).requires_grad_(cfg.input_grad)
-    args = (x,) if s == 0 else ()
-    if s != p - 1:
-        schedule.step(*args)
-        return None
-    mb_losses = []
-    schedule.step(*args, target=y.to(ctx.device), losses=mb_losses)
-    return float(torch.stack(mb_losses).mean())
-
-
 def gather_params(run_dir, cfg: PipelineConfig, num_stages: int) -> dict:
     """The stages' saved parameters reassembled into the unsplit MLP's ``state_dict`` keys
-    (``num_stages``: the ranks of the run; twice as many stages for "interleaved")."""
+    (``num_stages``: the ranks of the run; twice as many stages for "interleaved"). Raises
+    FileNotFoundError when the run saved no parameters (``save_params=False``)."""
     whole = models.ArticleMLP(tuple(cfg.sizes))
     stages = whole.split(num_stages * stages_per_rank(cfg))
     for s, stage in enumerate(stages):

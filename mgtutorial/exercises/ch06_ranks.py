@@ -1,0 +1,151 @@
+"""The rank side of chapter 06's checkers (notebooks/06a_article_ddp.ipynb and
+notebooks/06b_article_model_parallel.ipynb): each worker is one of the article's samples, as
+:mod:`mgtutorial.article` re-creates it, with the learner's function where the flaw was.
+
+:mod:`mgtutorial.exercises.ch06a` and :mod:`mgtutorial.exercises.ch06b` launch them (06a.3,
+06a.4, 06b.1, 06b.4) and read what they logged (``runlog``) or returned. Each loads the learner's
+file in the rank with :func:`~mgtutorial.exercises._common.function_from`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mgtutorial.article import ddp_flaws, model_parallel_flaws
+from mgtutorial.common.config import Config
+from mgtutorial.common.models import ArticleMLP
+from mgtutorial.exercises._common import function_from
+from mgtutorial.runtime import env, runlog
+
+
+def logged(runs_dir: str | Path, name: str, kind: str) -> list[dict]:
+    """The ``kind`` records of every run named ``name`` under ``runs_dir`` (a failed run's too:
+    what its ranks logged before the failure)."""
+    runs = sorted(Path(runs_dir).glob(f"{name}-*"))
+    return [r for d in runs for r in runlog.of_kind(runlog.read_run(d), kind)]
+
+
+# --- 06a.3: the global rank on two nodes --------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class RankExerciseConfig(Config):
+    """Configuration of :func:`rank_worker`."""
+
+    path: str
+    """The learner's file, defining ``global_rank(node_rank, local_rank, gpus_per_node) -> int``."""
+    gpus_per_node: int = 2
+    """GPUs per simulated node: rank r plays local rank r % gpus_per_node of node
+    r // gpus_per_node."""
+    timeout_s: float = 3.0
+    """How long the process group waits for ranks that never join."""
+
+
+def rank_worker(cfg: RankExerciseConfig) -> dict:
+    """Join the process group with the rank the learner's ``global_rank`` computes on a simulated
+    node (:func:`~mgtutorial.article.ddp_flaws.join_claimed`).
+
+    Logs ``kind="rank_claim"`` (claimed_rank, node, local_rank) before joining; returns
+    {"claimed_rank", "rank", "world_size"} once a barrier has passed.
+    """
+    node, local = divmod(env.rank(), cfg.gpus_per_node)
+    rank = int(function_from(cfg.path, "global_rank")(node, local, cfg.gpus_per_node))
+    runlog.RunLog().write(kind="rank_claim", claimed_rank=rank, node=node, local_rank=local)
+    return {"claimed_rank": rank, **ddp_flaws.join_claimed(rank, env.world_size(), cfg.timeout_s)}
+
+
+# --- 06a.4: the epoch loss, over all ranks -------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class LossExerciseConfig(Config):
+    """Configuration of :func:`loss_worker`."""
+
+    path: str
+    """The learner's file, defining ``epoch_loss(losses, ctx) -> float``."""
+    seed: int = 0
+    """Seed of the model and of each rank's batches."""
+
+
+def loss_worker(cfg: LossExerciseConfig) -> dict:
+    """Call the learner's ``epoch_loss(losses, ctx)`` on this rank's
+    :func:`~mgtutorial.article.ddp_flaws.batch_losses`; log and return ``{"losses", "reported"}``
+    (``kind="epoch_loss"``)."""
+    epoch_loss = function_from(cfg.path, "epoch_loss")
+    with env.distributed() as ctx, runlog.RunLog() as log:
+        losses = ddp_flaws.batch_losses(ctx.rank, cfg.seed)
+        reported = float(epoch_loss(losses, ctx))
+        return log.write(kind="epoch_loss", losses=losses, reported=reported)
+
+
+# --- 06b.1: the copies, brought together ---------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SyncConfig(Config):
+    """Configuration of :func:`sync_worker`."""
+
+    path: str
+    """The learner's file, defining ``sync_gradients(model, ctx)``."""
+    steps: int = 4
+    """Optimizer steps (data, seed and learning rate as
+    :class:`~mgtutorial.article.model_parallel_flaws.ArticleConfig`'s)."""
+
+
+def sync_worker(cfg: SyncConfig) -> dict:
+    """:func:`~mgtutorial.article.model_parallel_flaws.article_worker` with one line added: the
+    learner's ``sync_gradients(model, ctx)`` between ``backward()`` and the optimizer step. Logs
+    the same ``article_start``/``article`` checksums and saves ``rank<r>-model.pt``."""
+    sync_gradients = function_from(cfg.path, "sync_gradients")
+    art = model_parallel_flaws.ArticleConfig(steps=cfg.steps)
+    checksum = model_parallel_flaws.checksum
+    with env.distributed() as ctx, runlog.RunLog() as log:
+        env.seed_everything(art.seed)
+        model = ArticleMLP().to(ctx.device)
+        opt = torch.optim.SGD(model.parameters(), lr=art.lr)
+        log.write(kind="article_start", checksum=checksum(model))
+        for step, (x, y) in enumerate(model_parallel_flaws.article_batches(art, ctx.rank), 1):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device)).backward()
+            sync_gradients(model, ctx)  # the line the article lacks
+            opt.step()
+            log.write(kind="article", step=step, checksum=checksum(model))
+        torch.save(model.state_dict(), runlog.run_dir() / f"rank{ctx.rank}-model.pt")
+        return {"rank": ctx.rank}
+
+
+# --- 06b.4: the world a process group is told, on two nodes --------------------------------------
+
+
+@dataclass(kw_only=True)
+class WorldConfig(Config):
+    """Configuration of :func:`world_worker`."""
+
+    path: str
+    """The learner's file, defining ``join(part) -> {"world_size", "rank", "stage"}``."""
+    subnets: int = 3
+    """Processes per simulated node, one per sub-network: rank r plays part r % subnets of node
+    r // subnets."""
+    timeout_s: float = 3.0
+    """How long the process group waits for ranks that never join."""
+
+
+def world_worker(cfg: WorldConfig) -> dict:
+    """Join a gloo group with the world size and rank the learner's ``join(part)`` gives this
+    process on its simulated node (``part``: the sub-network it was started for, as the sample's
+    ``mp.Process(args=(i, …))``); logs ``kind="world_claim"`` before joining and returns the claim
+    with the group's ``group_rank``/``group_world_size`` once a barrier has passed
+    (:func:`~mgtutorial.article.ddp_flaws.join_claimed`)."""
+    node, part = divmod(env.rank(), cfg.subnets)
+    # as on a node of its own
+    os.environ.update(LOCAL_RANK=str(part), LOCAL_WORLD_SIZE=str(cfg.subnets))
+    claim = dict(function_from(cfg.path, "join")(part))
+    fields = {k: claim.get(k) for k in ("world_size", "rank", "stage")}
+    runlog.RunLog().write(kind="world_claim", node=node, part=part, **fields)
+    group = ddp_flaws.join_claimed(int(claim["rank"]), int(claim["world_size"]), cfg.timeout_s)
+    return {**claim, "group_rank": group["rank"], "group_world_size": group["world_size"]}

@@ -1,0 +1,158 @@
+"""The bubble: the idle fraction of a pipeline step, from the formula, from an ideal step and
+measured on a real step's boxes, with a model of the delay between boxes that the formula leaves
+out.
+
+Taught in notebooks/04_model_parallel.ipynb (section 4: the measured bubble against
+(p − 1)/(m + p − 1) and against the model) and checked by its exercise 04.1. The formula is GPipe's
+(Huang et al., 2019) and interleaved 1F1B's (Narayanan et al., 2021); the events are those a
+:class:`mgtutorial.pipeline.timeline.Timeline` logs (``event``, ``stage``, ``rank``,
+``microbatch``, ``start``, ``end``), or those :func:`ideal_events` draws. Pure arithmetic: no
+process group, no torch.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Literal
+
+
+def bubble_formula(num_stages: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle fraction of an ideal GPipe/1F1B pipeline on p = ``num_stages`` ranks with m =
+    ``n_microbatches``: (p − 1) / (m + p − 1); with v = ``stages_per_rank`` (interleaved 1F1B,
+    Narayanan et al., 2021) (p − 1) / (v·m + p − 1)."""
+    return (num_stages - 1) / (stages_per_rank * n_microbatches + num_stages - 1)
+
+
+def bubble_model(
+    num_stages: int,
+    n_microbatches: int,
+    forward_s: float,
+    backward_s: float,
+    delay_s: float,
+    stages_per_rank: int = 1,
+) -> float:
+    """The formula with a cost between the boxes: every box but the step's first starts
+    ``delay_s`` = o late (:func:`box_delays`). The critical path has v·m + p − 1 forwards and as
+    many backwards, so the span is (v·m + p − 1)·(f + b + 2·o) − o, and the idle fraction
+    1 − v·m·(f + b) / ((v·m + p − 1)·(f + b + 2·o) − o); seconds, f and b one box of one stage.
+    With o = 0 it is :func:`bubble_formula`."""
+    p, vm, work = num_stages, stages_per_rank * n_microbatches, forward_s + backward_s
+    return 1 - vm * work / ((vm + p - 1) * (work + 2 * delay_s) - delay_s)
+
+
+def box_order(
+    schedule: Literal["gpipe", "1f1b"], stage: int, num_stages: int, n_microbatches: int
+) -> list[tuple[str, int]]:
+    """The boxes ``stage`` runs in one step, in order, as ``(event, microbatch)``: GPipe every
+    forward, then every backward; 1F1B p − s forwards of warm-up (p = ``num_stages``, s =
+    ``stage``), then one backward and one forward in turn, then the backwards left."""
+    m = n_microbatches
+    if schedule == "gpipe":
+        return [("forward", i) for i in range(m)] + [("backward", i) for i in range(m)]
+    warmup = min(num_stages - stage, m)
+    order = [("forward", i) for i in range(warmup)]
+    for i in range(m):
+        order.append(("backward", i))
+        if warmup + i < m:
+            order.append(("forward", warmup + i))
+    return order
+
+
+def producer(event: str, stage: int, microbatch: int, last_stage: int) -> tuple | None:
+    """The box whose end a box waits for, as ``(stage, event, microbatch)``: a forward the previous
+    stage's forward (none on stage 0), a backward the next stage's backward, or on the last stage
+    its own forward."""
+    if event == "forward":
+        return (stage - 1, "forward", microbatch) if stage > 0 else None
+    if stage < last_stage:
+        return (stage + 1, "backward", microbatch)
+    return (stage, "forward", microbatch)
+
+
+def ideal_events(
+    schedule: Literal["gpipe", "1f1b"],
+    num_stages: int,
+    n_microbatches: int,
+    forward_s: float = 1.0,
+    backward_s: float = 2.0,
+) -> list[dict]:
+    """One step of ``schedule`` as the formula sees it, as events sorted by start: every forward
+    lasts ``forward_s``, every backward ``backward_s``, and a box starts the moment its
+    :func:`producer` has ended and its stage is free, in :func:`box_order` (no cost between
+    boxes). :func:`bubble_measured` of them is :func:`bubble_formula` for either schedule.
+
+    Raises:
+        RuntimeError: the order deadlocks (a stage waits for a box that waits for it).
+    """
+    p = num_stages
+    pending = {s: box_order(schedule, s, p, n_microbatches) for s in range(p)}
+    end, free, evs = {}, [0.0] * p, []
+    while any(pending.values()):
+        progressed = False
+        for s in range(p):
+            while pending[s]:
+                event, i = pending[s][0]
+                dep = producer(event, s, i, p - 1)
+                if dep is not None and dep not in end:
+                    break
+                start = max(end.get(dep, 0.0), free[s])
+                free[s] = end[s, event, i] = start + (
+                    forward_s if event == "forward" else backward_s
+                )
+                box = {"event": event, "stage": s, "rank": s, "microbatch": i, "step": 1}
+                evs.append({**box, "start": start, "end": free[s]})
+                pending[s].pop(0)
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"the {schedule} order deadlocks (p={p}, m={n_microbatches})")
+    return sorted(evs, key=lambda e: e["start"])
+
+
+def bubble_measured(evs: list[dict], by: str = "stage") -> float:
+    """Idle fraction of a step: 1 − (busy time summed over lanes) / (lanes × span of the step).
+
+    A lane is what computes one box at a time: a stage (``by="stage"``), or a rank
+    (``by="rank"``, for schedules with several stages per rank). Busy time is the sum of the logged
+    boxes, so a pause of the process inside a box counts as busy, and one between boxes as idle.
+    """
+    lanes = {e[by] for e in evs}
+    span = max(e["end"] for e in evs) - min(e["start"] for e in evs)
+    busy = sum(e["end"] - e["start"] for e in evs)
+    return 1 - busy / (len(lanes) * span)
+
+
+def step_costs(evs: list[dict], by: str = "stage", stages_per_rank: int = 1) -> dict:
+    """Where one step's time goes, from its events, in seconds: ``forward``/``backward``, the mean
+    box (one stage's); ``delay``, the mean of :func:`box_delays`; ``span``, first start to last
+    end; ``model``, :func:`bubble_model` of these; ``m``; ``p``, the lanes (stages, or ranks with
+    ``by="rank"``)."""
+    p, m = len({e[by] for e in evs}), len({e["microbatch"] for e in evs})
+    f = statistics.fmean(e["end"] - e["start"] for e in evs if e["event"] == "forward")
+    b = statistics.fmean(e["end"] - e["start"] for e in evs if e["event"] == "backward")
+    o = statistics.fmean(box_delays(evs, by))
+    span = max(e["end"] for e in evs) - min(e["start"] for e in evs)
+    return {
+        "forward": f,
+        "backward": b,
+        "delay": o,
+        "span": span,
+        "m": m,
+        "p": p,
+        "model": bubble_model(p, m, f, b, o, stages_per_rank),
+    }
+
+
+def box_delays(evs: list[dict], by: str = "stage") -> list[float]:
+    """How late each box started (s): its start minus the moment it could have started, the later
+    of its lane's previous box's end and its :func:`producer`'s end. This is the time between boxes
+    that the formula does not see: the hand-off through the backend, the schedule's Python, and
+    waiting for a core. The step's first box has no delay and is left out."""
+    done = {(e["stage"], e["event"], e["microbatch"]): e["end"] for e in evs}
+    last, lane_end, delays = max(e["stage"] for e in evs), {}, []
+    for e in sorted(evs, key=lambda e: e["start"]):
+        dep = producer(e["event"], e["stage"], e["microbatch"], last)
+        ready = [t for t in (lane_end.get(e[by]), done.get(dep)) if t is not None]
+        if ready:
+            delays.append(e["start"] - max(ready))
+        lane_end[e[by]] = e["end"]
+    return delays

@@ -17,7 +17,7 @@ The Sphinx sources are staged in ``book/_build/<edition>/src/``:
   :func:`mgtutorial.workshop.edition.make_student` writes it (student edition, the same files as
   ``make student``); in both, each widget is replaced by a line naming its controls, taken from
   the widget state saved in the notebook (a static page cannot run it; the figure it drives is
-  saved as an image before it).
+  saved beside it as an image).
 """
 
 from __future__ import annotations

@@ -38,7 +38,13 @@ NOTEBOOKS = ROOT / "notebooks"
 SCREENSHOTS = Path(os.environ.get("MGTUTORIAL_E2E_ARTIFACTS", ROOT / "test-artifacts" / "e2e"))
 COURSE_ORDER = ("00", "01", "02", "03a", "03b", "04", "05a", "05b", "06a", "06b", "07", "08", "09")
 SEARCH_TERM, SEARCH_HIT = "reshard_after_forward", "07_sharding.html"
-BOOK_PACKAGES = ("sphinx", "myst_nb", "sphinx_book_theme", "sphinx_copybutton")
+BOOK_PACKAGES = (
+    "sphinx",
+    "myst-nb",
+    "sphinx-book-theme",
+    "sphinx-copybutton",
+    "sphinx-mathjax-offline",
+)
 OUTSIDE = re.compile(
     r"""<(?:script|link|img|iframe|source)\b[^>]*?\b(?:src|href)=["'](?:https?:)?//"""
 )
@@ -82,13 +88,10 @@ async (widgetLine) => {
 def books(tmp_path_factory) -> dict[str, Path]:
     """Both editions, built with book/build.py --strict; edition -> the folder of index.html."""
     for name in BOOK_PACKAGES:
-        pytest.importorskip(
-            name, reason=f"{name} is missing: the [book] extra (make book installs it)"
-        )
-    try:
-        importlib.metadata.distribution("sphinx-mathjax-offline")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("sphinx-mathjax-offline is missing: the [book] extra (make book installs it)")
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip(f"{name} is missing: the [book] extra (make test and make book install it)")
     out = tmp_path_factory.mktemp("book")
     sites = {}
     for edition in build.EDITIONS:

@@ -64,3 +64,19 @@ student: $(STAMP)  ## the student edition in student/ (solutions removed, exerci
 
 clean-runs:  ## delete run directories (logs, checkpoints, plots)
 	rm -rf runs notebooks/runs student/runs
+
+# The course as a static website (book/build.py): every chapter from the committed notebooks, as
+# committed (nothing is executed), with search, math and figures, loading nothing from another
+# host. EDITION=student builds the student edition (as make student writes it) into its own folder.
+EDITION ?= instructor
+BOOK_STAMP := $(VENV)/.installed-book
+$(BOOK_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[book]"
+	@touch $(BOOK_STAMP)
+
+.PHONY: book
+book: $(BOOK_STAMP)  ## the course as a website: book/_build/$(EDITION)/html/index.html (EDITION=student: the student edition)
+	$(PY) book/build.py --edition $(EDITION)
+
+# tests/e2e/test_book.py builds both books and reads them in Chromium
+test test-unit test-e2e: $(BOOK_STAMP)

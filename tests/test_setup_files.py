@@ -25,7 +25,7 @@ def _pip_section(text: str) -> list[str]:
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    wanted = project["dependencies"] + extras["test"] + extras["e2e"]
+    wanted = project["dependencies"] + extras["test"] + extras["e2e"] + extras["book"]
     listed = [
         p for p in _pip_section((ROOT / "environment.yml").read_text()) if not p.startswith("-e")
     ]

@@ -136,11 +136,9 @@ def _elastic_attempt(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("how", ["raise", "sigkill"])
-def test_elastic_trainer_fails_the_named_rank_and_resumes_from_its_snapshot(
-    how, runs, no_leftovers
-):
-    # 12 steps of one epoch, a snapshot every 4; rank 1 fails once it has logged step 10
+def test_elastic_trainer_kills_the_named_rank_and_resumes_from_its_snapshot(runs, no_leftovers):
+    # 12 steps of one epoch, a snapshot every 4; rank 1 SIGKILLs itself once it has logged step 10
+    # (its RuntimeError with fail_how="raise": tests/test_launch.py)
     cfg = elastic.ElasticConfig(
         dataset="digits",
         epochs=1,
@@ -153,15 +151,10 @@ def test_elastic_trainer_fails_the_named_rank_and_resumes_from_its_snapshot(
         resume=True,
         fail_rank=1,
         fail_step=10,
-        fail_how=how,
+        fail_how="sigkill",
     )
     before, failure = _elastic_attempt(cfg, runs, 0)
-    assert failure is not None and failure.rank == 1, failure
-    if how == "raise":
-        assert failure.exc_type == "RuntimeError", failure
-        assert "injected failure on rank 1 at step 10" in failure.message
-    else:
-        assert "SIGKILL" in failure.message, failure.message
+    assert failure is not None and failure.rank == 1 and "SIGKILL" in failure.message, failure
     steps = {
         r: [x["step"] for x in before if x["kind"] == "train" and x["rank"] == r] for r in (0, 1)
     }

@@ -4,5 +4,6 @@
 - ``elastic``: ``ElasticConfig``, ``ElasticTrainer`` (snapshots every k steps, an injected fault)
   and ``elastic_worker``, restarted by ``torchrun --max-restarts`` (chapter 05b)
 - ``hangs``: the hang worker, where each rank waits, py-spy (chapter 05b)
+- ``slurm``: the SLURM batch script run without SLURM, to see what it starts (chapter 05a)
 - ``output``: turning torchrun's output into what a cell shows
 """

@@ -83,6 +83,8 @@ def add_config_options(p: argparse.ArgumentParser, cls, choices: dict | None = N
             )
             continue
         args = typing.get_args(kind)
+        if typing.get_origin(kind) is typing.Literal:  # a choice: the type of its values
+            kind = type(args[0])
         if typing.get_origin(kind) in (typing.Union, types.UnionType):
             kind = next(a for a in args if a is not type(None))
         extra = (
@@ -268,6 +270,7 @@ def _add_commands(sub) -> None:
     from mgtutorial.hello import HelloConfig, hello
     from mgtutorial.pipeline import schedules as pipeline
     from mgtutorial.runtime import env
+    from mgtutorial.scale import elastic
 
     choices = {
         "dataset": data.DATASETS,
@@ -281,6 +284,14 @@ def _add_commands(sub) -> None:
         ddp.DDPConfig,
         "DDP training of the article's CNN (chapter 02)",
         lambda args: _run(args, ddp.worker, _config(args), "ddp", _ddp_report),
+        choices,
+    )
+    _config_parser(
+        sub,
+        "elastic",
+        elastic.ElasticConfig,
+        "DDP training with snapshots and an injected fault, restarted by torchrun (chapter 05b)",
+        lambda args: _run(args, elastic.elastic_worker, _config(args), "elastic", _ddp_report),
         choices,
     )
     _config_parser(

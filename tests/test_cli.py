@@ -137,14 +137,10 @@ def test_options_set_config_fields():
             "5",
             "--max-steps",
             "3",
-            "--fail-how",
-            "sigkill",
             "--resume",
         ]
     )
-    assert _config(args) == ddp.DDPConfig(
-        evaluate=False, timeout_s=5.0, max_steps=3, fail_how="sigkill", resume=True
-    )
+    assert _config(args) == ddp.DDPConfig(evaluate=False, timeout_s=5.0, max_steps=3, resume=True)
     args = build_parser().parse_args(["pipeline", "--microbatches", "2", "--sizes", "8", "4", "2"])
     assert _config(args) == pipeline.PipelineConfig(n_microbatches=2, sizes=[8, 4, 2])
 

@@ -17,6 +17,7 @@ from mgtutorial.hello import HelloConfig, hello
 from mgtutorial.runtime import env, runlog
 from mgtutorial.runtime.launcher import WorkerNotImportable
 from mgtutorial.runtime.run import WorkerFailed
+from mgtutorial.scale.elastic import ElasticConfig, elastic_worker
 
 
 def defined_in_main(cfg):  # pretend this came from a notebook cell
@@ -30,8 +31,8 @@ defined_in_main.__module__ = "__main__"
 @pytest.mark.parametrize("attempt", range(3))
 def test_failing_rank_is_named(attempt, runs, no_leftovers):
     # rank 1 raises at step 2; rank 0 would wait 600 s in its collective if nobody stopped it
-    cfg = ddp.DDPConfig(dataset="synthetic", batch_size=4, fail_rank=1, fail_step=2, timeout_s=600)
-    run = launch(ddp.worker, cfg, 2, runs_dir=runs)
+    cfg = ElasticConfig(dataset="synthetic", batch_size=4, fail_rank=1, fail_step=2, timeout_s=600)
+    run = launch(elastic_worker, cfg, 2, runs_dir=runs)
     with pytest.raises(WorkerFailed) as info:
         run.wait(timeout=30)
     err = info.value
@@ -45,8 +46,8 @@ def test_failing_rank_is_named(attempt, runs, no_leftovers):
 
 @pytest.mark.timeout(30)
 def test_failing_rank_0_is_named_too(runs, no_leftovers):
-    cfg = ddp.DDPConfig(dataset="synthetic", batch_size=4, fail_rank=0, fail_step=1, timeout_s=600)
-    run = launch(ddp.worker, cfg, 2, runs_dir=runs)
+    cfg = ElasticConfig(dataset="synthetic", batch_size=4, fail_rank=0, fail_step=1, timeout_s=600)
+    run = launch(elastic_worker, cfg, 2, runs_dir=runs)
     with pytest.raises(WorkerFailed) as info:
         run.wait(timeout=30)
     assert info.value.rank == 0 and "injected failure on rank 0 at step 1" in str(info.value)

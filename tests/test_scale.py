@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-import stat
 import subprocess
 import sys
 import time
@@ -13,22 +13,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgtutorial import launch
+from mgtutorial import ddp, launch
+from mgtutorial.__main__ import build_parser, main
 from mgtutorial.runtime import runlog
 from mgtutorial.runtime.run import WorkerFailed
-from mgtutorial.scale import torchrun as scale
+from mgtutorial.scale import elastic, hangs, slurm, torchrun
+from mgtutorial.scale.output import digest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_torchrun_command_forms():
-    one = scale.torchrun_command(["ddp"], nproc_per_node=2)
+    one = torchrun.torchrun_command(["ddp"], nproc_per_node=2)
     assert one[1:] == ["--nproc-per-node", "2", "--standalone", "-m", "mgtutorial", "ddp"]
-    dyn = scale.torchrun_command(
+    dyn = torchrun.torchrun_command(
         ["ddp"], nproc_per_node=4, nnodes=2, rdzv_endpoint="head:29500", run_id="j1"
     )
     assert "--node-rank" not in dyn and dyn[dyn.index("--rdzv-endpoint") + 1] == "head:29500"
-    static = scale.torchrun_command(
+    static = torchrun.torchrun_command(
         ["ddp"], nnodes=2, node_rank=1, rdzv_endpoint="head:29500", max_restarts=3
     )
     assert (
@@ -37,21 +39,21 @@ def test_torchrun_command_forms():
     )
     assert static[static.index("--max-restarts") + 1] == "3"
     with pytest.raises(ValueError, match="rdzv_endpoint"):
-        scale.torchrun_command(["ddp"], nnodes=2)
+        torchrun.torchrun_command(["ddp"], nnodes=2)
     with pytest.raises(ValueError, match="node_rank=2"):
-        scale.torchrun_command(["ddp"], nnodes=2, node_rank=2, rdzv_endpoint="h:1")
+        torchrun.torchrun_command(["ddp"], nnodes=2, node_rank=2, rdzv_endpoint="h:1")
 
 
 @pytest.mark.timeout(120)
 def test_two_simulated_nodes_give_distinct_ranks(tmp_path, no_leftovers):
-    with scale.simulated_nodes(
+    with torchrun.simulated_nodes(
         ["hello", "--runs-dir", str(tmp_path), "--run-name", "two"],
         nnodes=2,
         nproc_per_node=1,
         log_dir=tmp_path / "agents",
     ) as agents:
         assert agents.wait(100) == [0, 0], agents.output(0)[-2000:]
-    rows = scale.rank_table(runlog.read_run(tmp_path / "two"))
+    rows = torchrun.rank_table(runlog.read_run(tmp_path / "two"))
     assert [r["RANK"] for r in rows] == [0, 1]
     assert [r["LOCAL_RANK"] for r in rows] == [0, 0]  # one process per node: local rank 0 on both
     assert sorted(r["GROUP_RANK"] for r in rows) == [0, 1] and {r["WORLD_SIZE"] for r in rows} == {
@@ -62,7 +64,7 @@ def test_two_simulated_nodes_give_distinct_ranks(tmp_path, no_leftovers):
 @pytest.mark.timeout(240)
 def test_killed_rank_restarts_from_snapshot_and_matches_uninterrupted(tmp_path, no_leftovers):
     base = [
-        "ddp",
+        "elastic",
         "--dataset",
         "digits",
         "--epochs",
@@ -74,7 +76,7 @@ def test_killed_rank_restarts_from_snapshot_and_matches_uninterrupted(tmp_path, 
         "--runs-dir",
         str(tmp_path),
     ]
-    code, out = scale.run_torchrun(
+    code, out = torchrun.run_torchrun(
         base
         + [
             "--checkpoint",
@@ -96,7 +98,7 @@ def test_killed_rank_restarts_from_snapshot_and_matches_uninterrupted(tmp_path, 
     recs = runlog.read_run(tmp_path / "a")
     resumes = [r for r in recs if r.get("kind") == "resume"]
     assert {(r["rank"], r["attempt"], r["step"]) for r in resumes} == {(0, 1, 30), (1, 1, 30)}
-    code, out = scale.run_torchrun(
+    code, out = torchrun.run_torchrun(
         base + ["--checkpoint", str(tmp_path / "b.pt"), "--run-name", "b"],
         log_dir=tmp_path / "bg",
         timeout=200,
@@ -110,10 +112,134 @@ def test_killed_rank_restarts_from_snapshot_and_matches_uninterrupted(tmp_path, 
         assert k in a  # what a snapshot holds
 
 
+def _elastic_attempt(
+    cfg: elastic.ElasticConfig, runs, restart: int
+) -> tuple[list[dict], WorkerFailed]:
+    """Attempt ``restart`` of an elastic job, started by launch as torchrun would start it
+    (``TORCHELASTIC_RESTART_COUNT``): its records and its failure (None if every rank finished)."""
+    run = launch(
+        elastic.elastic_worker,
+        cfg,
+        2,
+        runs_dir=runs,
+        name=f"attempt{restart}",
+        extra_env={"TORCHELASTIC_RESTART_COUNT": str(restart)},
+    )
+    failure = None
+    try:
+        run.wait(timeout=90)
+    except WorkerFailed as e:
+        failure = e
+    finally:
+        run.stop()
+    return runlog.read_run(run.run_dir), failure
+
+
+@pytest.mark.timeout(240)
+def test_elastic_trainer_kills_the_named_rank_and_resumes_from_its_snapshot(runs, no_leftovers):
+    # 12 steps of one epoch, a snapshot every 4; rank 1 SIGKILLs itself once it has logged step 10
+    # (its RuntimeError with fail_how="raise": tests/test_launch.py)
+    cfg = elastic.ElasticConfig(
+        dataset="digits",
+        epochs=1,
+        max_steps=12,
+        evaluate=False,
+        backend="gloo",
+        timeout_s=30,
+        checkpoint=str(runs / "snap.pt"),
+        checkpoint_every=4,
+        resume=True,
+        fail_rank=1,
+        fail_step=10,
+        fail_how="sigkill",
+    )
+    before, failure = _elastic_attempt(cfg, runs, 0)
+    assert failure is not None and failure.rank == 1 and "SIGKILL" in failure.message, failure
+    steps = {
+        r: [x["step"] for x in before if x["kind"] == "train" and x["rank"] == r] for r in (0, 1)
+    }
+    assert steps[1] == list(range(1, 11))  # rank 1 logged step 10, then failed
+    assert steps[0][-1] in (10, 11)  # rank 0 cannot finish step 11 without rank 1
+    snaps = [(x["step"], x["batch"]) for x in before if x["kind"] == "checkpoint"]
+    assert snaps == [(4, 4), (8, 8)]  # mid-epoch snapshots, none after the failure
+
+    after, failure = _elastic_attempt(cfg, runs, 1)  # the restart: no fault, resumes from step 8
+    assert failure is None, failure
+    resumes = {
+        (x["rank"], x["step"], x["batch"], x["attempt"]) for x in after if x["kind"] == "resume"
+    }
+    assert resumes == {(0, 8, 8, 1), (1, 8, 8, 1)}
+    assert sorted({x["step"] for x in after if x["kind"] == "train"}) == list(range(9, 13))
+
+    final = torch.load(cfg.checkpoint, map_location="cpu", weights_only=True)
+    assert (final["step"], final["epoch"], final["batch"]) == (12, 0, 12)
+    uninterrupted = ddp.combined_batch_reference(dataclasses.replace(cfg, fail_rank=-1), 2)
+    torch.testing.assert_close(final["model"], uninterrupted.state_dict())
+
+
+MOVED = ["--checkpoint-every", "--fail-rank", "--fail-step", "--fail-how"]  # from ddp to elastic
+
+
+def test_base_trainer_takes_no_step_snapshots_and_injects_no_fault():
+    base = {f.name for f in dataclasses.fields(ddp.DDPConfig)}
+    fields = {f.name for f in dataclasses.fields(elastic.ElasticConfig)}
+    assert fields - base == {"checkpoint_every", "fail_rank", "fail_step", "fail_how"}
+    overridden = [m for m in vars(elastic.ElasticTrainer) if callable(getattr(ddp.Trainer, m, 0))]
+    assert overridden == ["_log_step"]  # one method of the loop
+
+
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        (elastic.ElasticConfig(checkpoint_every=-3), "checkpoint_every=-3: must be at least 0"),
+        (elastic.ElasticConfig(fail_rank=7), r"fail_rank=7: must be -1 \(none\) or a rank of the"),
+        (elastic.ElasticConfig(fail_step=0), r"fail_step=0: must be at least 1 \(or -1: never\)"),
+        (elastic.ElasticConfig(fail_how="segfault"), "fail_how='segfault': must be one of 'raise'"),
+        (elastic.ElasticConfig(epochs=0), "epochs=0: must be at least 1"),  # chapter 02's checks
+        (elastic.ElasticConfig(resume=True), "resume=True needs the file to resume from"),
+        (hangs.HangConfig(backend="mpi"), "backend='mpi': must be one of 'auto', 'gloo', 'nccl'"),
+        (hangs.HangConfig(skip_rank=2), r"skip_rank=2: must be -1 \(none\) or a rank of the job"),
+        (hangs.HangConfig(timeout_s=0), "timeout_s=0: must be positive"),
+        (hangs.HangConfig(steps=0), "steps=0: must be at least 1"),
+    ],
+)
+def test_configs_refuse_values_out_of_range(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        cfg.validate(2)
+
+
+def test_fault_injection_and_snapshots_are_options_of_elastic_not_of_ddp(capsys):
+    for command, listed in (("ddp", []), ("elastic", MOVED)):
+        with pytest.raises(SystemExit) as info:
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        assert info.value.code == 0 and [o for o in MOVED if o in text] == listed, text
+    assert "--fail-how {raise,sigkill}" in text  # the choices, read from the Literal
+
+    argv = "elastic --checkpoint c.pt --checkpoint-every 5 --resume --fail-rank 1 --fail-step 12"
+    args = build_parser().parse_args([*argv.split(), "--fail-how", "sigkill"])
+    fields = dataclasses.fields(args.config_class)
+    cfg = args.config_class(**{f.name: getattr(args, f.name) for f in fields})
+    assert cfg == elastic.ElasticConfig(
+        checkpoint="c.pt",
+        checkpoint_every=5,
+        resume=True,
+        fail_rank=1,
+        fail_step=12,
+        fail_how="sigkill",
+    )
+    defaults = build_parser().parse_args(["elastic"])
+    assert args.config_class(**{f.name: getattr(defaults, f.name) for f in fields}) == type(cfg)()
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["elastic", "--fail-how", "segfault"])
+    assert info.value.code == 2 and "invalid choice: 'segfault'" in capsys.readouterr().err
+
+
 def expected_type(message: str) -> str:
-    """The type :func:`scale.hang_worker` must raise for the backend error its ``message`` quotes, told
-    from the backend's own words: gloo's timeout or DETAIL's monitored barrier is a TimeoutError; a peer
-    that left or DETAIL's fingerprint mismatch a RuntimeError. An error of neither kind fails the test."""
+    """The type :func:`hangs.hang_worker` must raise for the backend error its ``message`` quotes,
+    told from the backend's own words: gloo's timeout or DETAIL's monitored barrier is a
+    TimeoutError; a peer that left or DETAIL's fingerprint mismatch a RuntimeError. An error of
+    neither kind fails the test."""
     backend = message.split(" s): ", 1)[-1]
     if "Timed out waiting" in backend or "failed to pass monitoredBarrier" in backend:
         return "TimeoutError"
@@ -128,7 +254,7 @@ def expected_type(message: str) -> str:
 def test_skipped_collective_times_out_naming_it(runs, no_leftovers):
     timeout_s = 3
     run = launch(
-        scale.hang_worker, scale.HangConfig(timeout_s=timeout_s, rank_work_s=60), 2, runs_dir=runs
+        hangs.hang_worker, hangs.HangConfig(timeout_s=timeout_s, rank_work_s=60), 2, runs_dir=runs
     )
     # both ranks end up waiting (rank 1's step-2 call was paired with rank 0's smaller step-1 call);
     # whichever times out first is reported
@@ -137,7 +263,8 @@ def test_skipped_collective_times_out_naming_it(runs, no_leftovers):
     ) as info:
         run.wait(timeout=45)
     r, err = info.value.rank, info.value
-    # the rank whose own timeout struck says so in its type; a rank whose peer left first is a RuntimeError
+    # the rank whose own timeout struck says so in its type; a rank whose peer left first is a
+    # RuntimeError
     assert err.exc_type == expected_type(err.message), err.message
     assert ("timed out after" in err.message) == (err.exc_type == "TimeoutError"), err.message
     start = [
@@ -152,8 +279,8 @@ def test_skipped_collective_times_out_naming_it(runs, no_leftovers):
 @pytest.mark.timeout(60)
 def test_debug_detail_names_the_mismatch(runs, no_leftovers):
     run = launch(
-        scale.hang_worker,
-        scale.HangConfig(timeout_s=30, rank_work_s=60),
+        hangs.hang_worker,
+        hangs.HangConfig(timeout_s=30, rank_work_s=60),
         2,
         runs_dir=runs,
         extra_env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
@@ -174,9 +301,9 @@ def test_debug_detail_names_the_mismatch(runs, no_leftovers):
 def test_debug_detail_names_the_rank_that_never_arrives(runs, no_leftovers):
     # rank 1 skips the last all-reduce and works alone: DETAIL's monitored barrier (the group's
     # timeout) names it, and hang_worker reports that as a timeout
-    cfg = scale.HangConfig(skip_step=2, timeout_s=2, rank_work_s=20, backend="gloo")
+    cfg = hangs.HangConfig(skip_step=2, timeout_s=2, rank_work_s=20, backend="gloo")
     run = launch(
-        scale.hang_worker, cfg, 2, runs_dir=runs, extra_env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+        hangs.hang_worker, cfg, 2, runs_dir=runs, extra_env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
     )
     try:
         with pytest.raises(
@@ -194,17 +321,17 @@ def test_debug_detail_names_the_rank_that_never_arrives(runs, no_leftovers):
 @pytest.mark.timeout(60)
 def test_py_spy_shows_where_a_hung_rank_waits(runs, no_leftovers):
     run = launch(
-        scale.hang_worker, scale.HangConfig(timeout_s=60, rank_work_s=60), 2, runs_dir=runs
+        hangs.hang_worker, hangs.HangConfig(timeout_s=60, rank_work_s=60), 2, runs_dir=runs
     )
     try:
-        pids = scale.pids_at_collective(run.run_dir, step=2, nranks=2, timeout=40)
+        pids = hangs.pids_at_collective(run.run_dir, step=2, nranks=2, timeout=40)
         time.sleep(0.5)
-        dump = scale.py_spy_dump(pids[0])
+        dump = hangs.py_spy_dump(pids[0])
     finally:
         run.stop()
     assert sorted(pids) == [0, 1]
     assert "all_reduce" in dump and "hang_worker" in dump, dump
-    frames = scale.main_thread_frames(dump)
+    frames = hangs.main_thread_frames(dump)
     assert frames[0].startswith("all_reduce") and any(
         f.startswith("hang_worker") for f in frames
     ), frames
@@ -219,7 +346,7 @@ def test_digest_keeps_rank_lines_and_agent_messages_without_machine_noise():
         "(exitcode: -9) local_rank: 1 (pid: 28862) of binary: /somewhere/.venv/bin/python\n"
         'Traceback (most recent call last):\n  File "x.py", line 1\n'
     )
-    assert scale.digest(out).splitlines() == [
+    assert digest(out).splitlines() == [
         "[rank 0] hello from pid … on cpu",
         "agent W: Sending process … closing signal SIGTERM",
         "agent E: failed (exitcode: -9) local_rank: 1 (pid: …)",
@@ -227,34 +354,21 @@ def test_digest_keeps_rank_lines_and_agent_messages_without_machine_noise():
     ]
 
 
-def test_sbatch_builds_srun_torchrun_command(tmp_path):
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    for name, body in {
-        "srun": 'echo "srun $*"',
-        "scontrol": 'printf "gpu-a17\\ngpu-a18\\n"',
-    }.items():
-        (fake / name).write_text(f"#!/bin/sh\n{body}\n")
-        (fake / name).chmod(stat.S_IRWXU)
-    env = dict(
-        os.environ,
-        PATH=f"{fake}:{os.environ['PATH']}",
-        SLURM_NNODES="2",
-        SLURM_JOB_ID="4242",
-        SLURM_JOB_NODELIST="gpu-a[17-18]",
-        SLURM_GPUS_ON_NODE="4",
-        SLURM_CPUS_PER_TASK="16",
-    )
-    env.pop("OMP_NUM_THREADS", None)
-    out = subprocess.run(
-        ["bash", str(ROOT / "scripts/slurm/ddp.sbatch"), "--epochs", "3"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+JOB = {
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "gpu-a[17-18]",
+    "SLURM_GPUS_ON_NODE": "4",
+    "SLURM_CPUS_PER_TASK": "16",
+}
+
+
+def test_sbatch_builds_srun_torchrun_command():
+    out = slurm.dry_run(JOB, ["gpu-a17", "gpu-a18"], ["--epochs", "3"])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [
+    omp, srun = out.stdout.splitlines()
+    assert omp == "OMP_NUM_THREADS=4"
+    assert srun.split() == [
         "srun",
         "--kill-on-bad-exit=1",
         "torchrun",
@@ -274,45 +388,25 @@ def test_sbatch_builds_srun_torchrun_command(tmp_path):
         "--epochs",
         "3",
     ]
-    bad = subprocess.run(
-        ["bash", str(ROOT / "scripts/slurm/ddp.sbatch")],
-        env={"PATH": env["PATH"]},
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    assert slurm.torchrun_options(out.stdout) == {
+        "--nnodes": "2",
+        "--nproc-per-node": "4",
+        "--rdzv-id": "4242",
+        "--rdzv-backend": "c10d",
+        "--rdzv-endpoint": "gpu-a17:29500",
+        "OMP_NUM_THREADS": "4",
+    }
+    bad = slurm.dry_run({}, [])  # outside a job: no SLURM_NNODES
     assert bad.returncode != 0 and "run this under sbatch" in bad.stderr
 
 
 @pytest.mark.parametrize("cpus, gpus, omp", [("16", "4", "4"), ("4", "8", "1"), ("6", "4", "1")])
-def test_sbatch_gives_each_rank_at_least_one_thread(tmp_path, cpus, gpus, omp):
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    for name, body in {
-        "srun": 'echo "$OMP_NUM_THREADS"',
-        "scontrol": 'printf "n1\\nn2\\n"',
-    }.items():
-        (fake / name).write_text(f"#!/bin/sh\n{body}\n")
-        (fake / name).chmod(stat.S_IRWXU)
-    env = dict(
-        os.environ,
-        PATH=f"{fake}:{os.environ['PATH']}",
-        SLURM_NNODES="2",
-        SLURM_JOB_ID="1",
-        SLURM_JOB_NODELIST="n[1-2]",
-        SLURM_GPUS_ON_NODE=gpus,
-        SLURM_CPUS_PER_TASK=cpus,
-    )
-    env.pop("OMP_NUM_THREADS", None)
-    out = subprocess.run(
-        ["bash", str(ROOT / "scripts/slurm/ddp.sbatch")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+def test_sbatch_gives_each_rank_at_least_one_thread(cpus, gpus, omp):
+    job = dict(JOB, SLURM_GPUS_ON_NODE=gpus, SLURM_CPUS_PER_TASK=cpus)
+    out = slurm.dry_run(job, ["n1", "n2"])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == omp  # the task's cores per rank, rounded down, and never 0
+    # the task's cores per rank, rounded down, and never 0
+    assert slurm.torchrun_options(out.stdout)["OMP_NUM_THREADS"] == omp
 
 
 # One rank of an attempt on a store that outlives it, as torchrun's rank-0 agent hosts it (c10d
@@ -322,7 +416,7 @@ ATTEMPT = """
 import datetime, os, sys, time, torch, torch.distributed as dist
 from mgtutorial.runtime import env
 if os.environ["RANK"] == "1":
-    time.sleep(float(sys.argv[2]))  # rank 1 of this attempt comes late: rank 0 reads the store first
+    time.sleep(float(sys.argv[2]))  # rank 1 comes late: rank 0 reads the store first
 if sys.argv[1] == "env.distributed":  # with its PrefixStore("attempt_<TORCHELASTIC_RESTART_COUNT>")
     with env.distributed("gloo", timeout_s=6):
         dist.all_reduce(t := torch.ones(1))
@@ -371,11 +465,12 @@ def _attempt(how: str, port: int, attempt: int) -> list[int]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("how", ["env.distributed", "bare store"])
 def test_restarted_ranks_need_the_per_attempt_prefix(how, no_leftovers):
-    """Why env.distributed wraps the store in a per-attempt PrefixStore. On the bare store, attempt 1
-    writes and reads under the very key names attempt 0 left behind (the key count does not grow):
-    a rank can read a dead rank's gloo address before the new one is written, and then fails
-    (``Gloo connectFullMesh failed ... Connect timeout``, about every other run here, depending on
-    which side of the pair connects). Under the prefix each attempt has keys of its own and works."""
+    """Why env.distributed wraps the store in a per-attempt PrefixStore. On the bare store,
+    attempt 1 writes and reads under the very key names attempt 0 left behind (the key count does
+    not grow): a rank can read a dead rank's gloo address before the new one is written, and then
+    fails (``Gloo connectFullMesh failed ... Connect timeout``, about every other run here,
+    depending on which side of the pair connects). Under the prefix each attempt has keys of its
+    own and works."""
     import torch.distributed as dist
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
@@ -389,10 +484,11 @@ def test_restarted_ranks_need_the_per_attempt_prefix(how, no_leftovers):
 
 
 def test_agent_env_sets_one_omp_thread_only_when_unset(monkeypatch):
-    # torchrun's agent passes its own OMP_NUM_THREADS on; torchrun sets 1 only if unset and nproc > 1
+    # torchrun's agent passes its own OMP_NUM_THREADS on; torchrun sets 1 only if unset and
+    # nproc > 1
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("RANK", "3")  # a notebook started inside a job must not leak its identity
-    e = scale.agent_env()
+    e = torchrun.agent_env()
     assert e["OMP_NUM_THREADS"] == "1" and "RANK" not in e and e["GLOO_SOCKET_IFNAME"]
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    assert scale.agent_env()["OMP_NUM_THREADS"] == "4"
+    assert torchrun.agent_env()["OMP_NUM_THREADS"] == "4"

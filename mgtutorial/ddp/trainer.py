@@ -14,8 +14,6 @@ Several nodes: the same worker under ``torchrun --nnodes N ...`` (notebooks/05a_
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgtutorial.common import data, models
 from mgtutorial.common.checkpoint import check_checkpoint_path, load_checkpoint, save_checkpoint
-from mgtutorial.common.config import at_least, positive, rank_or_none
+from mgtutorial.common.config import at_least, positive
 from mgtutorial.runtime import env, runlog
 
 
@@ -60,21 +58,12 @@ class DDPConfig:
     """Collective timeout in seconds: a rank waiting longer for its peers raises."""
     checkpoint: str | None = None
     """File to save model + optimizer + progress to (rank 0) after each epoch; None: no checkpoints."""
-    checkpoint_every: int = 0
-    """Also save a snapshot every this many steps, mid-epoch (0: only at epoch ends) — chapter 05."""
     resume: bool = False
     """Load ``checkpoint`` if it exists and continue exactly where it was taken (mid-epoch too)."""
     evaluate: bool = True
     """Measure test-set accuracy at the end of each epoch."""
     tf32: bool = True
     """True: torch's defaults (TF32 in cuDNN only, not in matmuls); False: full float32 on GPUs; CPU: no effect."""
-    fail_rank: int = -1
-    """Fault injection for the lessons and tests: this rank fails …"""
-    fail_step: int = -1
-    """… when it reaches this step (−1: never) …"""
-    fail_how: str = "raise"
-    """… by raising ("raise") or by SIGKILL-ing itself ("sigkill"); only on a job's first attempt
-    (``TORCHELASTIC_RESTART_COUNT`` 0), so an elastic restart gets past it."""
 
     def validate(self, world_size: int) -> None:
         """Called by :func:`mgtutorial.launch` before any process starts.
@@ -86,11 +75,8 @@ class DDPConfig:
             self, 1, "epochs", "batch_size", *(("max_steps",) if self.max_steps is not None else ())
         )
         positive(self, "lr", "timeout_s")
-        at_least(self, 0, "momentum", "seed", "checkpoint_every")
-        rank_or_none(self, "fail_rank", world_size)
+        at_least(self, 0, "momentum", "seed")
         check_checkpoint_path(self.checkpoint, self.resume)
-        if self.fail_how not in ("raise", "sigkill"):
-            raise ValueError(f"fail_how={self.fail_how!r} is not 'raise' or 'sigkill'.")
         data.check_available(
             data.resolve_dataset(self.dataset, self.data_root), self.data_root, self.download
         )
@@ -192,16 +178,6 @@ class Trainer:
             )
         self.first_samples = self.samples
 
-    def _inject_failure(self) -> None:
-        if (
-            self.ctx.rank == self.cfg.fail_rank
-            and self.step == self.cfg.fail_step
-            and self.attempt == 0
-        ):
-            if self.cfg.fail_how == "sigkill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected failure on rank {self.ctx.rank} at step {self.step}")
-
     def _save(self, epoch: int, batch: int) -> None:
         if self.ctx.is_main:
             save_checkpoint(
@@ -247,19 +223,10 @@ class Trainer:
             if self._done():
                 break
             self.batches_done = batch + 1
-            self._inject_failure()
             loss = self._run_batch(x.to(self.ctx.device), y.to(self.ctx.device))
             self.step += 1
             self.samples += len(y)
             losses.append(self._log_step(epoch, loss))
-            every = self.cfg.checkpoint_every
-            if (
-                self.cfg.checkpoint
-                and every
-                and self.step % every == 0
-                and batch + 1 < len(self.loader)
-            ):
-                self._save(epoch, batch + 1)
         self.skip = 0
         return sum(losses) / len(losses) if losses else float("nan")  # the epoch's mean loss
 

@@ -25,12 +25,15 @@ from mgtutorial.runtime import env
 from mgtutorial.runtime.launcher import launch
 from mgtutorial.runtime.run import WorkerFailed
 from mgtutorial.runtime.runlog import read_run
+from mgtutorial.scale.elastic import ElasticConfig, elastic_worker
 
 
-def failing_rank(cfg: ddp.DDPConfig, predicted: dict) -> None:
+def failing_rank(cfg: ElasticConfig, predicted: dict) -> None:
     """02.1: ``cfg`` makes rank 1 fail with ``fail_rank=1, fail_step=5``: after 5 completed, logged steps,
     before step 6. ``predicted["rank"]`` is the rank the error names and ``predicted["steps_logged"]``
-    the number of steps rank 0's log holds when the job stops. Launches ``ddp.worker`` on 2 ranks and reads the run's logs."""
+    the number of steps rank 0's log holds when the job stops. Launches
+    :func:`mgtutorial.scale.elastic.elastic_worker` (chapter 02's worker with the fault injection)
+    on 2 ranks and reads the run's logs."""
     ex = "02.1 a failing rank"
     guess = {
         k: answered(predicted.get(k), ex, f"predicted[{k!r}]") for k in ("rank", "steps_logged")
@@ -42,7 +45,7 @@ def failing_rank(cfg: ddp.DDPConfig, predicted: dict) -> None:
         f"{cfg.fail_step}: set fail_rank=1, fail_step=5 (rank 1 "
         "then raises after 5 completed, logged steps, before step 6)",
     )
-    run = launch(ddp.worker, cfg, 2, runs_dir="runs/exercises", name="ex02_fail")
+    run = launch(elastic_worker, cfg, 2, runs_dir="runs/exercises", name="ex02_fail")
     try:
         run.wait(timeout=60)
     except WorkerFailed as e:

@@ -5,7 +5,7 @@ The references are torch's and the course's own code, not copies of it: the rank
 torchrun's agent (``SimpleElasticAgent._assign_worker_ranks``, run against an in-memory store, one
 thread per simulated agent), the command is read by torchrun's own parser
 (``torch.distributed.run.get_args_parser``), and the SLURM mapping is compared with what
-``scripts/slurm/ddp.sbatch`` runs under a stand-in ``srun``.
+``scripts/slurm/ddp.sbatch`` runs under a stand-in ``srun`` (:mod:`mgtutorial.scale.slurm`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ import datetime
 import os
 import shlex
 import shutil
-import stat
-import subprocess
-import tempfile
 import threading
 import types
 from argparse import ArgumentError
@@ -25,54 +22,46 @@ from pathlib import Path
 from unittest import mock
 
 from mgtutorial.exercises._common import ExerciseError, answered, attempt, passed, require
+from mgtutorial.scale import slurm
 
-_LAYOUTS = (
-    (4, 4),
-    (2, 2, 2),
-    (8,),
-    (1, 1, 1, 1),
-    (4, 2),
-    (1, 3, 2),
-)  # ranks per node, node by node
+_LAYOUTS = ((4, 4), (2, 2, 2), (8,), (1, 1, 1, 1), (4, 2), (1, 3, 2))  # ranks per node, in order
 
 
 def torchrun_ranks(nprocs: tuple[int, ...]) -> dict[int, list[dict]]:
-    """{node rank: [{"RANK", "LOCAL_RANK", "WORLD_SIZE"} per local rank]} as torchrun's agents assign
-    them when node ``i`` runs ``nprocs[i]`` ranks: torch's ``SimpleElasticAgent._assign_worker_ranks``,
-    one thread per agent, a ``HashStore``."""
+    """{node rank: [{"RANK", "LOCAL_RANK", "WORLD_SIZE"} per local rank]} as torchrun's agents
+    assign them when node ``i`` runs ``nprocs[i]`` ranks: torch's
+    ``SimpleElasticAgent._assign_worker_ranks``, one thread per agent, a ``HashStore``."""
     import torch.distributed as dist
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
     store = dist.HashStore()
     store.set_timeout(datetime.timedelta(seconds=10))
     out: dict[int, list] = {}
+    assign = SimpleElasticAgent._assign_worker_ranks  # what each node's agent runs
 
     def agent(group_rank: int) -> None:
         spec = types.SimpleNamespace(role="default", local_world_size=nprocs[group_rank])
-        out[group_rank] = SimpleElasticAgent._assign_worker_ranks(
-            None, store, group_rank, len(nprocs), spec
-        )
+        workers = assign(None, store, group_rank, len(nprocs), spec)
+        out[group_rank] = [
+            {"RANK": w.global_rank, "LOCAL_RANK": w.local_rank, "WORLD_SIZE": w.world_size}
+            for w in workers
+        ]
 
     threads = [threading.Thread(target=agent, args=(g,), daemon=True) for g in range(len(nprocs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(20)
-    return {
-        g: [
-            {"RANK": w.global_rank, "LOCAL_RANK": w.local_rank, "WORLD_SIZE": w.world_size}
-            for w in out[g]
-        ]
-        for g in sorted(out)
-    }
+    return {g: out[g] for g in sorted(out)}
 
 
 def ranks_of(fn) -> None:
-    """05a.1: ``fn(node_rank, nprocs)`` (``nprocs[i]``: the ``--nproc-per-node`` of node ``i``, a list
-    of ints) returns node ``node_rank``'s ranks as a list of dicts ``{"RANK", "LOCAL_RANK",
+    """05a.1: ``fn(node_rank, nprocs)`` (``nprocs[i]``: the ``--nproc-per-node`` of node ``i``, a
+    list of ints) returns node ``node_rank``'s ranks as a list of dicts ``{"RANK", "LOCAL_RANK",
     "WORLD_SIZE"}`` (ints), one per local rank, in local-rank order.
 
-    Verified against torchrun's own assignment for nodes of 4+4, 2+2+2, 8, 1+1+1+1, 4+2 and 1+3+2 ranks.
+    Verified against torchrun's own assignment for nodes of 4+4, 2+2+2, 8, 1+1+1+1, 4+2 and 1+3+2
+    ranks.
     """
     ex = "05a.1 ranks of a node"
     for nprocs in _LAYOUTS:
@@ -89,7 +78,7 @@ def ranks_of(fn) -> None:
                 require(
                     isinstance(row, dict) and {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= set(row),
                     ex,
-                    f"{where}: each row is a dict with RANK, LOCAL_RANK and WORLD_SIZE, not {row!r}",
+                    f"{where}: each row is a dict with RANK, LOCAL_RANK, WORLD_SIZE, not {row!r}",
                 )
                 for key, hint in (
                     ("LOCAL_RANK", "local ranks restart at 0 on every node"),
@@ -104,8 +93,8 @@ def ranks_of(fn) -> None:
                     )
     passed(
         ex,
-        "RANK, LOCAL_RANK and WORLD_SIZE match torchrun's for 4+4, 2+2+2, 8, 1+1+1+1, 4+2 and 1+3+2 "
-        "ranks per node",
+        "RANK, LOCAL_RANK and WORLD_SIZE match torchrun's for 4+4, 2+2+2, 8, 1+1+1+1, 4+2 and "
+        "1+3+2 ranks per node",
     )
 
 
@@ -118,11 +107,8 @@ def two_node_command(command) -> None:
     ex = "05a.2 a two-node command"
     require(command is not ... and command, ex, "`command` is still empty: write the torchrun line")
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
-    require(
-        argv and Path(argv[0]).name == "torchrun",
-        ex,
-        f"the command starts with {argv[:1]}, not torchrun",
-    )
+    first = Path(argv[0]).name if argv else None
+    require(first == "torchrun", ex, f"the command starts with {argv[:1]}, not torchrun")
     parser = get_args_parser()
     parser.prog, parser.exit_on_error = "torchrun", False
 
@@ -134,7 +120,8 @@ def two_node_command(command) -> None:
         args, unknown = parser.parse_known_args(argv[1:])
     except ArgumentError as e:
         refuse(str(e))
-    # torchrun itself stops here ("unrecognized arguments"); argparse puts what follows in the script's place
+    # torchrun itself stops here ("unrecognized arguments"); argparse puts what follows in the
+    # script's place
     require(
         not unknown,
         ex,
@@ -179,113 +166,57 @@ def two_node_command(command) -> None:
     )
     passed(
         ex,
-        "torchrun's parser reads 2 nodes, 4 ranks each, c10d at node0:29500, id job42, -m mgtutorial ddp: "
-        "the same line on every node",
+        "torchrun's parser reads 2 nodes, 4 ranks each, c10d at node0:29500, id job42, "
+        "-m mgtutorial ddp: the same line on every node",
     )
 
 
-def _sbatch() -> Path:
-    for root in (Path(__file__).resolve().parents[2], Path.cwd().parent, Path.cwd()):
-        if (root / "scripts" / "slurm" / "ddp.sbatch").is_file():
-            return root / "scripts" / "slurm" / "ddp.sbatch"
-    raise FileNotFoundError("scripts/slurm/ddp.sbatch is not beside the package or the notebooks")
-
-
-def sbatch_options(slurm: dict[str, str], hostnames: list[str]) -> dict[str, str]:
-    """Run ``scripts/slurm/ddp.sbatch`` with the variables ``slurm`` and stand-ins for ``srun``
-    (prints what it would run) and ``scontrol`` (prints ``hostnames``); returns its torchrun options
-    and the ``OMP_NUM_THREADS`` it exports, e.g. ``{"--nnodes": "2", …, "OMP_NUM_THREADS": "4"}``."""
-    with tempfile.TemporaryDirectory() as fake:
-        bodies = {
-            "srun": 'echo "$OMP_NUM_THREADS"; echo "$@"',
-            "scontrol": "printf '%s\\n' " + " ".join(shlex.quote(h) for h in hostnames),
-        }
-        for name, body in bodies.items():
-            (Path(fake) / name).write_text(f"#!/bin/sh\n{body}\n")
-            (Path(fake) / name).chmod(stat.S_IRWXU)
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("SLURM_")
-            and k not in ("OMP_NUM_THREADS", "GPUS_PER_NODE", "RDZV_PORT", "TORCHRUN")
-        }
-        env.update(slurm, PATH=f"{fake}:{os.environ['PATH']}")
-        out = subprocess.run(
-            ["bash", str(_sbatch())], env=env, capture_output=True, text=True, timeout=30
-        )
-    if out.returncode:
-        raise RuntimeError(f"ddp.sbatch failed: {out.stderr.strip()}")
-    omp, cmd = out.stdout.strip().splitlines()
-    argv = shlex.split(cmd)
-    opts = {
-        a: argv[i + 1]
-        for i, a in enumerate(argv)
-        if a.startswith("--") and a != "--kill-on-bad-exit=1" and argv.index("-m") > i
-    }
-    return {**opts, "OMP_NUM_THREADS": omp}
-
-
-_JOBS = (
-    (
-        {
-            "SLURM_NNODES": "2",
-            "SLURM_JOB_ID": "4242",
-            "SLURM_JOB_NODELIST": "gpu-a[17-18]",
-            "SLURM_GPUS_ON_NODE": "4",
-            "SLURM_CPUS_PER_TASK": "16",
-        },
-        ["gpu-a17", "gpu-a18"],
-    ),
-    (
-        {
-            "SLURM_NNODES": "3",
-            "SLURM_JOB_ID": "977",
-            "SLURM_JOB_NODELIST": "n[003-005]",
-            "SLURM_GPUS_ON_NODE": "8",
-            "SLURM_CPUS_PER_TASK": "4",
-        },
-        ["n003", "n004", "n005"],
-    ),
-)  # < 1 core per rank
+_SLURM = "SLURM_NNODES SLURM_JOB_ID SLURM_JOB_NODELIST SLURM_GPUS_ON_NODE SLURM_CPUS_PER_TASK"
+_JOBS = (  # (SLURM's variables, in _SLURM's order; node names); job 977: < 1 core per rank
+    (dict(zip(_SLURM.split(), ("2", "4242", "gpu-a[17-18]", "4", "16"))), ["gpu-a17", "gpu-a18"]),
+    (dict(zip(_SLURM.split(), ("3", "977", "n[003-005]", "8", "4"))), ["n003", "n004", "n005"]),
+)
+_MAPPED = ("--nnodes", "--nproc-per-node", "--rdzv-id", "--rdzv-endpoint", "OMP_NUM_THREADS")
 
 
 def slurm_mapping(fn) -> None:
-    """05a.3: ``fn(slurm, hostnames)`` gets SLURM's variables (a dict of strings) and the node names
-    (``scontrol show hostnames``, a list) and returns what the batch script passes to torchrun:
-    ``{"--nnodes", "--nproc-per-node", "--rdzv-id", "--rdzv-endpoint", "OMP_NUM_THREADS"}`` (strings).
+    """05a.3: ``fn(slurm, hostnames)`` gets SLURM's variables (a dict of strings) and the node
+    names (``scontrol show hostnames``, a list) and returns what the batch script passes to
+    torchrun: ``{"--nnodes", "--nproc-per-node", "--rdzv-id", "--rdzv-endpoint",
+    "OMP_NUM_THREADS"}`` (strings).
 
-    Compared with what ``scripts/slurm/ddp.sbatch`` itself runs for a 2-node and a 3-node job.
+    Compared with what ``scripts/slurm/ddp.sbatch`` itself runs for a 2-node and a 3-node job
+    (:func:`mgtutorial.scale.slurm.dry_run`).
     """
     ex = "05a.3 SLURM to torchrun"
-    for slurm, hosts in _JOBS:
-        truth = sbatch_options(slurm, hosts)
-        got = attempt(ex, fn, dict(slurm), list(hosts))
+    for variables, hosts in _JOBS:
+        run = slurm.dry_run(variables, hosts)
+        if run.returncode:
+            raise RuntimeError(f"ddp.sbatch failed: {run.stderr.strip()}")
+        truth = slurm.torchrun_options(run.stdout)
+        got = attempt(ex, fn, dict(variables), list(hosts))
         require(isinstance(got, dict), ex, f"return a dict of options, not {type(got).__name__}")
-        job = f"the {slurm['SLURM_NNODES']}-node job {slurm['SLURM_JOB_ID']}"
-        for key in (
-            "--nnodes",
-            "--nproc-per-node",
-            "--rdzv-id",
-            "--rdzv-endpoint",
-            "OMP_NUM_THREADS",
-        ):
+        job = f"the {variables['SLURM_NNODES']}-node job {variables['SLURM_JOB_ID']}"
+        for key in _MAPPED:
             require(key in got, ex, f"{job}: your dict has no {key!r}")
             require(
                 str(got[key]) == truth[key],
                 ex,
-                f"{job}: ddp.sbatch gives {key} {truth[key]}, you gave {got[key]}: read the script's "
-                f"line that sets it from the SLURM variables (not the values of the example above)",
+                f"{job}: ddp.sbatch gives {key} {truth[key]}, you gave {got[key]}: read the "
+                "script's line that sets it from the SLURM variables (not the values of the "
+                "example above)",
             )
     passed(
         ex,
-        "your mapping gives ddp.sbatch's torchrun options and OMP_NUM_THREADS for a 2-node and a 3-node job",
+        "your mapping gives ddp.sbatch's torchrun options and OMP_NUM_THREADS for a 2-node and a "
+        "3-node job",
     )
 
 
 def agent_store(predicted: dict) -> None:
-    """05a.4: ``predicted[mode]["TORCHELASTIC_USE_AGENT_STORE"]`` (the string rank 1 sees, None for
-    unset) and ``predicted[mode]["store host"]`` (``"agent"`` or ``"rank 0"``) for ``mode`` "default" and
-    "disabled" (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents' environment).
+    """05a.4: ``predicted[mode]["TORCHELASTIC_USE_AGENT_STORE"]`` (the string rank 1 sees, None
+    for unset) and ``predicted[mode]["store host"]`` (``"agent"`` or ``"rank 0"``) for ``mode``
+    "default" and "disabled" (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents' environment).
 
     Runs both two-node jobs (``hello``, one rank per simulated node) at once and reads rank 1's
     record; the host is what torch's ``env://`` rendezvous decides from those variables
@@ -294,7 +225,7 @@ def agent_store(predicted: dict) -> None:
     import importlib
 
     from mgtutorial.runtime import runlog
-    from mgtutorial.scale import torchrun as scale
+    from mgtutorial.scale import torchrun
 
     ex = "05a.4 who hosts the store"
     for mode in ("default", "disabled"):
@@ -302,29 +233,21 @@ def agent_store(predicted: dict) -> None:
         require(
             guess.get("TORCHELASTIC_USE_AGENT_STORE", ...) is not ...,
             ex,  # None is an answer: unset
-            f"`predicted[{mode!r}]['TORCHELASTIC_USE_AGENT_STORE']` is still `...`: replace it with "
-            f"the string rank 1 sees (None if you think it is unset)",
+            f"`predicted[{mode!r}]['TORCHELASTIC_USE_AGENT_STORE']` is still `...`: replace it "
+            "with the string rank 1 sees (None if you think it is unset)",
         )
         answered(guess.get("store host", ...), ex, f"predicted[{mode!r}]['store host']")
     runs = Path("runs/exercises").resolve()
     for mode in ("default", "disabled"):
         shutil.rmtree(runs / f"ex05a-store-{mode}", ignore_errors=True)
     extra = {"default": {}, "disabled": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
-    with (
-        contextlib.ExitStack() as stack
-    ):  # both jobs run at once; leaving stops every agent of both
+    hello = ["hello", "--backend", "gloo", "--runs-dir", str(runs), "--run-name"]
+    # both jobs run at once; leaving the block stops every agent of both
+    with contextlib.ExitStack() as stack:
         jobs = {
             mode: stack.enter_context(
-                scale.simulated_nodes(
-                    [
-                        "hello",
-                        "--backend",
-                        "gloo",
-                        "--runs-dir",
-                        str(runs),
-                        "--run-name",
-                        f"ex05a-store-{mode}",
-                    ],
+                torchrun.simulated_nodes(
+                    [*hello, f"ex05a-store-{mode}"],
                     log_dir=runs / f"ex05a-store-{mode}-agents",
                     extra_env=env,
                 )
@@ -346,35 +269,32 @@ def agent_store(predicted: dict) -> None:
             ex,
             f"the {mode} job failed (exit codes {codes[mode]}): see {agents.log_dir}",
         )
-        rec = next(
-            r
-            for r in runlog.read_run(runs / f"ex05a-store-{mode}")
-            if r["kind"] == "hello" and r["rank"] == 1
-        )
-        seen = rec["env"]["TORCHELASTIC_USE_AGENT_STORE"]
+        records = runlog.read_run(runs / f"ex05a-store-{mode}")
+        rec = next(r for r in records if r["kind"] == "hello" and r["rank"] == 1)
+        saw = rec["env"]  # rank 1's variables
+        seen = saw["TORCHELASTIC_USE_AGENT_STORE"]
         with mock.patch.dict(os.environ):  # torch's rule, applied to what rank 1 saw
-            for k, v in rec["env"].items():
+            for k, v in saw.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-            host = (
-                "agent"
-                if rdzv._agent_store_serves(rec["env"]["MASTER_ADDR"], rec["env"]["MASTER_PORT"])
-                else "rank 0"
-            )
+            served = rdzv._agent_store_serves(saw["MASTER_ADDR"], saw["MASTER_PORT"])
+        host = "agent" if served else "rank 0"
         guess, shown = predicted[mode], {None: "unset"}  # the variable's value, None: not set
         value = guess["TORCHELASTIC_USE_AGENT_STORE"]
         require(
             (value is None) == (seen is None) and str(value) == str(seen),
             ex,
-            f"{mode}: rank 1 saw TORCHELASTIC_USE_AGENT_STORE {shown.get(seen, f'= {seen}')}, not "
-            f"{shown.get(value, f'= {value}')}: read the rendezvous handler's use_agent_store (dynamic_rendezvous)",
+            f"{mode}: rank 1 saw TORCHELASTIC_USE_AGENT_STORE {shown.get(seen, f'= {seen}')}, "
+            f"not {shown.get(value, f'= {value}')}: read the rendezvous handler's "
+            "use_agent_store (dynamic_rendezvous)",
         )
         require(
             guess["store host"] == host,
             ex,
-            f"{mode}: the store at MASTER_ADDR:MASTER_PORT is hosted by the {host}, not the {guess['store host']}: "
-            f"read torch.distributed.rendezvous._create_c10d_store",
+            f"{mode}: the store at MASTER_ADDR:MASTER_PORT is hosted by the {host}, not the "
+            f"{guess['store host']}: read torch.distributed.rendezvous._create_c10d_store",
         )
     passed(
         ex,
-        "by default the agent hosts the store (True); with the sharing disabled rank 0 does (False)",
+        "by default the agent hosts the store (True); with the sharing disabled rank 0 does "
+        "(False)",
     )

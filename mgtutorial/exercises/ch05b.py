@@ -1,11 +1,10 @@
-"""Checkers of chapter 05b's exercises (notebooks/05b_elastic_and_hangs.ipynb): restoring a snapshot
-after a rank is killed, a collective only one rank calls found with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``,
-and what a rank that skips the last collective looks like with and without DETAIL.
+"""Checkers of chapter 05b's exercises (notebooks/05b_elastic_and_hangs.ipynb): restoring a
+snapshot after a rank is killed, a collective only one rank calls found with
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``, and what a rank that skips the last collective looks like with
+and without DETAIL.
 
-05b.1 replays the elastic restart of the chapter's section 1 with :func:`mgtutorial.launch` (warm
-ranks, seconds instead of torchrun's fresh interpreters): attempt 0, in which rank 1 SIGKILLs itself,
-then attempt 1 with ``TORCHELASTIC_RESTART_COUNT=1``, resuming from the same snapshot file, as
-``torchrun --max-restarts 1`` would start it.
+05b.1's ranks run :class:`mgtutorial.scale.elastic.ElasticTrainer` with the learner's ``restore``;
+its checker replays ``torchrun --max-restarts 1`` with :func:`mgtutorial.launch` (warm ranks).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import re
 from pathlib import Path
 
 from mgtutorial import ddp
+from mgtutorial.common import compare
 from mgtutorial.exercises._common import (
     ExerciseError,
     RankFailed,
@@ -27,46 +27,31 @@ from mgtutorial.exercises._common import (
 from mgtutorial.runtime import env, runlog
 from mgtutorial.runtime.launcher import launch
 from mgtutorial.runtime.run import WorkerFailed
-from mgtutorial.scale import torchrun as scale
+from mgtutorial.scale import elastic, hangs
+from mgtutorial.scale.output import short
 
 STEPS, EVERY, FAIL_STEP = 12, 4, 10  # snapshots at steps 4 and 8; rank 1 is killed after step 10
-PROGRESS = (
-    "epoch",
-    "step",
-    "batch",
-    "samples",
-)  # what ``restore`` returns, as save_checkpoint stores it
+PROGRESS = ("epoch", "step", "batch", "samples")  # what ``restore`` returns, as saved
 
 
 @dataclasses.dataclass(kw_only=True)
-class RestoreConfig(ddp.DDPConfig):
-    """:class:`mgtutorial.ddp.DDPConfig` of 05b.1's ranks, with the learner's file."""
+class RestoreConfig(elastic.ElasticConfig):
+    """:class:`mgtutorial.scale.elastic.ElasticConfig` of 05b.1's ranks, with the learner's file."""
 
     path: str = ""
     """The file holding ``restore(path, model, optimizer, device)`` (imported in each rank)."""
 
 
 def restore_config(checkpoint: str, path: str = "") -> RestoreConfig:
-    """Chapter 02's tiny job of 05b (digits, ``STEPS`` steps), a snapshot every ``EVERY`` steps and
-    rank 1 SIGKILL-ed after step ``FAIL_STEP`` of the first attempt."""
-    return RestoreConfig(
-        dataset="digits",
-        epochs=1,
-        max_steps=STEPS,
-        evaluate=False,
-        backend="gloo",
-        checkpoint=checkpoint,
-        checkpoint_every=EVERY,
-        fail_rank=1,
-        fail_step=FAIL_STEP,
-        fail_how="sigkill",
-        timeout_s=30,
-        path=path,
-    )
+    """05b's tiny elastic job (digits, ``STEPS`` steps), a snapshot every ``EVERY`` steps and rank 1
+    SIGKILL-ed after step ``FAIL_STEP`` of the first attempt."""
+    job = dict(dataset="digits", epochs=1, max_steps=STEPS, evaluate=False, backend="gloo")
+    fault = dict(checkpoint_every=EVERY, fail_rank=1, fail_step=FAIL_STEP, fail_how="sigkill")
+    return RestoreConfig(**job, **fault, timeout_s=30, checkpoint=checkpoint, path=path)
 
 
-class RestoringTrainer(ddp.Trainer):
-    """:class:`mgtutorial.ddp.Trainer` that resumes with the learner's
+class RestoringTrainer(elastic.ElasticTrainer):
+    """:class:`mgtutorial.scale.elastic.ElasticTrainer` that resumes with the learner's
     ``restore(path, model, optimizer, device) -> {"epoch", "step", "batch", "samples"}`` when a
     snapshot exists. Raises ValueError (in the rank) if the progress lacks one of those keys."""
 
@@ -74,17 +59,14 @@ class RestoringTrainer(ddp.Trainer):
         super().__init__(*args)  # cfg.resume is False: the Trainer restored nothing itself
         if Path(self.cfg.checkpoint).exists():
             progress = restore(self.cfg.checkpoint, self.model, self.optimizer, self.ctx.device)
-            missing = [
-                k for k in PROGRESS if k not in (progress if isinstance(progress, dict) else {})
-            ]
-            if missing:
+            got = progress if isinstance(progress, dict) else {}
+            if missing := [k for k in PROGRESS if k not in got]:
                 raise ValueError(
                     f"restore returned {progress!r}, without {missing}: return the progress "
                     f"the snapshot holds, a dict with {list(PROGRESS)}"
                 )
-            self.first_epoch, self.step, self.skip, self.samples = (
-                int(progress[k]) for k in PROGRESS
-            )
+            progress = [int(progress[k]) for k in PROGRESS]
+            self.first_epoch, self.step, self.skip, self.samples = progress
             self.first_samples = self.samples
             self.log.resume(
                 step=self.step, epoch=self.first_epoch, batch=self.skip, attempt=self.attempt
@@ -92,54 +74,50 @@ class RestoringTrainer(ddp.Trainer):
 
 
 def restore_worker(cfg: RestoreConfig) -> dict:
-    """One rank of 05b.1: chapter 02's training, resumed by ``restore`` from the file ``cfg.path``."""
+    """One rank of 05b.1: the elastic job, resumed by ``restore`` from the file ``cfg.path``."""
     restore = function_from(cfg.path, "restore", "05b.1")
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
         model, train_set, test_set, optimizer = ddp.build(cfg, ctx)
-        return RestoringTrainer(
-            model, train_set, test_set, optimizer, ctx, cfg, restore=restore
-        ).train()
+        trainer = RestoringTrainer(model, train_set, test_set, optimizer, ctx, cfg, restore=restore)
+        return trainer.train()
 
 
-def _attempt(
-    ex: str, cfg: RestoreConfig, runs_dir: str, restart: int
-) -> tuple[list[dict], WorkerFailed | None]:
-    """Run attempt ``restart`` of 05b.1's job (2 ranks); return its records and its failure, if any.
-    Every rank is ended before it returns."""
-    run = launch(
-        restore_worker,
-        cfg,
-        2,
-        runs_dir=runs_dir,
-        name=f"ex05b-restore-attempt{restart}",
-        extra_env={"TORCHELASTIC_RESTART_COUNT": str(restart)},
-    )
-    failure = None
+def _failure(ex: str, run, timeout: float, hint: str) -> WorkerFailed | None:
+    """Wait for ``run``: its :class:`WorkerFailed`, or None if every rank finished. A run still
+    going after ``timeout`` seconds raises ExerciseError with ``hint``. Its ranks are ended."""
     try:
-        run.wait(timeout=120)
+        run.wait(timeout=timeout)
     except WorkerFailed as e:
-        failure = e
+        return e
     except TimeoutError:
-        raise ExerciseError(
-            ex,
-            f"attempt {restart} did not finish within 120 s (stopped): does `restore` "
-            f"block, or load a file other than `path`?",
-        ) from None
+        raise ExerciseError(ex, f"still running after {timeout:g} s (stopped): {hint}") from None
     finally:
         run.stop()
+    return None
+
+
+def _attempt(ex: str, cfg: RestoreConfig, runs_dir: str, restart: int):
+    """Run attempt ``restart`` of 05b.1's job (2 ranks); return its records (by time) and its
+    :class:`WorkerFailed`, or None."""
+    name = f"ex05b-restore-attempt{restart}"
+    restart_env = {"TORCHELASTIC_RESTART_COUNT": str(restart)}
+    run = launch(restore_worker, cfg, 2, runs_dir=runs_dir, name=name, extra_env=restart_env)
+    hint = f"attempt {restart}: does `restore` block, or load a file other than `path`?"
+    failure = _failure(ex, run, 120, hint)
     return sorted(runlog.read_run(run.run_dir), key=lambda rec: rec["time"]), failure
 
 
 def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exercises") -> None:
     """05b.1: ``restore(path, model, optimizer, device)`` in the file ``path`` loads a snapshot of
-    :func:`mgtutorial.common.checkpoint.save_checkpoint` into the (DDP) model and the optimizer and returns
-    its progress ``{"epoch", "step", "batch", "samples"}`` (ints).
+    :func:`mgtutorial.common.checkpoint.save_checkpoint` into the (DDP) model and the optimizer and
+    returns its progress ``{"epoch", "step", "batch", "samples"}`` (ints).
 
     Replays ``torchrun --max-restarts 1`` with :func:`mgtutorial.launch`: attempt 0 with rank 1
     killed after step 10, then attempt 1 (``TORCHELASTIC_RESTART_COUNT=1``) on the same snapshot
     file. Verifies from the records that both restarted ranks resumed at the last snapshot (step 8,
     its batch), counted the samples of the steps trained twice as the first attempt did, trained
-    steps 9 … 12, and that the final parameters equal a single process trained on the combined batches.
+    steps 9 … 12, and that the final parameters equal a single process trained on the combined
+    batches.
     """
     import torch
 
@@ -153,44 +131,41 @@ def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exer
     require(
         killed is not None and killed.rank == 1 and max(steps, default=0) == FAIL_STEP,
         ex,
-        f"attempt 0 did not end with rank 1 killed after step {FAIL_STEP} (its steps: {sorted(steps)}; "
-        f"{killed or 'no failure'}): is DDPConfig's fault injection unchanged in mgtutorial.ddp?",
+        f"attempt 0 did not end with rank 1 killed after step {FAIL_STEP} (its steps: "
+        f"{sorted(steps)}; {killed or 'no failure'}): is ElasticTrainer's fault injection "
+        "unchanged in mgtutorial.scale.elastic?",
     )
     after, failure = _attempt(ex, cfg, runs_dir, 1)
     require(
         failure is None,
         ex,
         f"attempt 1 (the restart) failed: rank {failure and failure.rank} raised "
-        f"{failure and failure.exc_type}: {failure and scale.short(failure.message)}: "
+        f"{failure and failure.exc_type}: {failure and short(failure.message)}: "
         f"look at `restore` in {Path(path).name}",
     )
     resumes = [rec for rec in after if rec["kind"] == "resume"]
     require(resumes, ex, "the restarted ranks logged no resume: did the snapshot file exist?")
-    snaps = [rec for rec in before if rec["kind"] == "checkpoint"]
-    last = snaps[-1]["step"]
+    snap = [rec for rec in before if rec["kind"] == "checkpoint"][-1]
+    last = snap["step"]
     for rec in resumes:
         require(
-            rec["step"] == last,
+            (rec["step"], rec["batch"]) == (last, snap["batch"]),
             ex,
-            f"rank {rec['rank']} resumed at step {rec['step']}, but the last snapshot before the kill was "
-            f"taken at step {last}: return the progress the snapshot holds (its {', '.join(PROGRESS)})",
-        )
-        require(
-            rec["batch"] == snaps[-1]["batch"],
-            ex,
-            f"rank {rec['rank']} resumed at batch {rec['batch']} of the epoch, but the snapshot of step "
-            f"{last} was taken after batch {snaps[-1]['batch']}: 'batch' says how many batches of the "
-            f"epoch are done",
+            f"rank {rec['rank']} resumed at step {rec['step']}, batch {rec['batch']} of the epoch, "
+            f"but the last snapshot before the kill was taken at step {last}, after batch "
+            f"{snap['batch']}: return the progress it holds ({', '.join(PROGRESS)}; 'batch': the "
+            "batches of the epoch done)",
         )
     first = {(rec["rank"], rec["step"]): rec["samples"] for rec in before if rec["kind"] == "train"}
     train = [rec for rec in after if rec["kind"] == "train"]
-    for rec in (rec for rec in train if (rec["rank"], rec["step"]) in first):
+    for rec in train:
+        was = first.get((rec["rank"], rec["step"]), rec["samples"])
         require(
-            rec["samples"] == first[rec["rank"], rec["step"]],
+            rec["samples"] == was,
             ex,
-            f"after the restart rank {rec['rank']} logged {rec['samples']} samples at step {rec['step']}, "
-            f"the first attempt {first[rec['rank'], rec['step']]}: 'samples' counts the samples this "
-            f"rank trained before the snapshot",
+            f"after the restart rank {rec['rank']} logged {rec['samples']} samples at step "
+            f"{rec['step']}, the first attempt {was}: 'samples' counts the samples this rank "
+            "trained before the snapshot",
         )
     redone = sorted({rec["step"] for rec in train})
     require(
@@ -201,7 +176,7 @@ def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exer
     )
     final = torch.load(ckpt, map_location="cpu", weights_only=True)
     reference = ddp.combined_batch_reference(dataclasses.replace(cfg, fail_rank=-1), 2)
-    diff = ddp.max_param_diff(reference, final["model"])
+    diff = compare.max_abs_diff(reference.state_dict(), final["model"])
     require(
         diff < 1e-5,
         ex,
@@ -218,17 +193,13 @@ def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exer
 def _fingerprint(message: str) -> str:
     """What a DETAIL mismatch error says of the failing rank's own call (the peer's side is garbled:
     the peer is inside DETAIL's own check by then)."""
-    m = re.search(
-        r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),? ?OpType=(\w+)",
-        message,
-    )
+    own = r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),? ?"
+    own += r"OpType=(\w+)"
+    if not (m := re.search(own, message)):
+        return ""
     return (
-        (
-            f"rank {m[1]} was calling {m[3]} as its collective #{m[2]} while its peer called another one "
-            f"(a BARRIER is env.distributed's, when the worker returns)"
-        )
-        if m
-        else ""
+        f"rank {m[1]} was calling {m[3]} as its collective #{m[2]} while its peer called another "
+        "one (a BARRIER is env.distributed's, when the worker returns)"
     )
 
 
@@ -239,25 +210,19 @@ def rank_zero_metric(path: str = "ex05b_metric.py") -> None:
     Runs 2 ranks with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` and a 3-s collective timeout
     (``cfg.options["timeout_s"]``); compares with the means computed here.
     """
-    ex = "05b.2 a metric only rank 0 logs"
+    ex, detail = "05b.2 a metric only rank 0 logs", {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
     try:
-        values = run_file(
-            ex,
-            path,
-            "worker",
-            2,
-            options={"timeout_s": 3},
-            timeout_s=60,
-            extra_env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
-        ).values
+        run = run_file(
+            ex, path, "worker", 2, options={"timeout_s": 3}, timeout_s=60, extra_env=detail
+        )
     except RankFailed as e:
-        seen = _fingerprint(e.hint) or scale.short(e.hint)[:300]
+        seen = _fingerprint(e.hint) or short(e.hint)[:300]
         raise ExerciseError(
             ex,
             f"DETAIL stopped the job: {seen}. Every rank must call the same "
             f"collectives in the same order: no all_reduce under `if ctx.rank == 0`",
         ) from None
-    want = [[step, (0 + step + 1 + step) / 2] for step in (0, 2)]
+    values, want = run.values, [[step, (0 + step + 1 + step) / 2] for step in (0, 2)]
     got = [[int(s), float(m)] for s, m in values[0]] if isinstance(values[0], list) else values[0]
     require(
         got == want,
@@ -276,71 +241,54 @@ def rank_zero_metric(path: str = "ex05b_metric.py") -> None:
 
 
 def last_step_skipped(predicted: dict) -> None:
-    """05b.3: predictions for ``HangConfig(skip_step=2)`` (rank 1 skips the last all-reduce, then works
-    alone 6 s) with a 2-s timeout: ``predicted["failing_rank"]`` and ``predicted["error_type"]``
-    (the rank the launcher names and its exception type, without DETAIL) and
-    ``predicted["detail_names_rank"]`` (the rank DETAIL's error says is missing).
+    """05b.3: predictions for ``HangConfig(skip_step=2)`` (rank 1 skips the last all-reduce, then
+    works alone 6 s) with a 2-s timeout: ``predicted["failing_rank"]`` and
+    ``predicted["error_type"]`` (the rank the launcher names and its exception type, without
+    DETAIL) and ``predicted["detail_names_rank"]`` (the rank DETAIL's error says is missing).
 
     Runs both jobs at once and reads the launcher's errors.
     """
     ex = "05b.3 the last step skipped"
-    guess = {
-        k: answered(predicted.get(k, ...), ex, f"predicted[{k!r}]")
-        for k in ("failing_rank", "error_type", "detail_names_rank")
-    }
-    cfg = scale.HangConfig(skip_step=2, timeout_s=2, rank_work_s=6, backend="gloo")
+    keys = ("failing_rank", "error_type", "detail_names_rank")
+    guess = {k: answered(predicted.get(k, ...), ex, f"predicted[{k!r}]") for k in keys}
+    cfg = hangs.HangConfig(skip_step=2, timeout_s=2, rank_work_s=6, backend="gloo")
+    jobs = {"ex05b-last": {}, "ex05b-last-detail": {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}}
     runs = [
-        launch(scale.hang_worker, cfg, 2, runs_dir="runs/exercises", name=name, extra_env=extra)
-        for name, extra in (
-            ("ex05b-last", {}),
-            ("ex05b-last-detail", {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
-        )
+        launch(hangs.hang_worker, cfg, 2, runs_dir="runs/exercises", name=name, extra_env=extra)
+        for name, extra in jobs.items()
     ]
-    errors = []
+    hint = "its 2-s timeout should end it long before; the machine may be busy, run it again"
     try:
-        for run in runs:
-            try:
-                run.wait(timeout=60)
-                errors.append(None)
-            except WorkerFailed as e:
-                errors.append(e)
-    except TimeoutError as e:
-        raise ExerciseError(
-            ex,
-            f"a job was still running after 60 s ({e}): its 2-s timeout should end it "
-            f"long before; the machine may be busy, run the checker again",
-        ) from e
+        plain, detail = [_failure(ex, run, 60, hint) for run in runs]
     finally:
         for run in runs:  # both, whatever happened
             run.stop()
-    plain, detail = errors
     require(
         plain is not None and detail is not None,
         ex,
-        "a job finished without an error: is HangConfig unchanged in mgtutorial.scale.torchrun?",
+        "a job finished without an error: is HangConfig unchanged in mgtutorial.scale.hangs?",
     )
     missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", detail.message)
-    require(
-        missing, ex, f"DETAIL reported something unexpected: {scale.short(detail.message)[:200]}"
-    )
+    require(missing, ex, f"DETAIL reported something unexpected: {short(detail.message)[:200]}")
     named = int(missing[1].split(",")[0])
     require(
         guess["failing_rank"] == plain.rank,
         ex,
-        f"the launcher named rank {plain.rank}, not {guess['failing_rank']}: which rank is left inside "
-        f"an all-reduce when the other one skips it and works alone?",
+        f"the launcher named rank {plain.rank}, not {guess['failing_rank']}: which rank is left "
+        "inside an all-reduce when the other one skips it and works alone?",
     )
     require(
         guess["error_type"] == plain.exc_type,
         ex,
-        f"rank {plain.rank} failed with {plain.exc_type}, not {guess['error_type']!r}: its peer never "
-        f"came, so what ended the wait? (a string, e.g. 'ValueError')",
+        f"rank {plain.rank} failed with {plain.exc_type}, not {guess['error_type']!r}: its peer "
+        "never came, so what ended the wait? (a string, e.g. 'ValueError')",
     )
     require(
         guess["detail_names_rank"] == named,
         ex,
-        f"DETAIL's error names rank {named} as missing, not {guess['detail_names_rank']}: before each "
-        f"collective DETAIL waits in a monitored barrier and names the ranks that did not arrive",
+        f"DETAIL's error names rank {named} as missing, not {guess['detail_names_rank']}: before "
+        "each collective DETAIL waits in a monitored barrier and names the ranks that did not "
+        "arrive",
     )
     passed(
         ex,

@@ -1,9 +1,9 @@
 """torchrun's output made readable: no paths, process ids or C++ stacks of this machine.
 
-Taught in notebooks/05a_torchrun_multinode.ipynb and notebooks/05b_elastic_and_hangs.ipynb, whose
-cells show what the ranks and the agents of a ``torchrun`` job said (``digest``) and the commands as
-one would type them (``shell``). Re-exported by :mod:`mgtutorial.scale.torchrun`. The agents' log format is
-TorchElastic's (https://pytorch.org/docs/stable/elastic/run.html).
+Used by notebooks/05a_torchrun_multinode.ipynb and notebooks/05b_elastic_and_hangs.ipynb, whose
+cells show what the ranks and the agents of a ``torchrun`` job said (:func:`digest`) and the
+commands as one would type them (:func:`shell`). The agents' log format is TorchElastic's
+(https://pytorch.org/docs/stable/elastic/run.html).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 
 def clean(text: str) -> str:
     """``text`` without this machine's specifics: the repository's and the home folder's paths,
-    process ids (``pid 123``, ``pid: 123``, ``process 123``), and torchrun's ``of binary: /…/python``."""
+    process ids (``pid 123``, ``pid: 123``, ``process 123``) and torchrun's
+    ``of binary: /…/python``."""
     root = Path(__file__).resolve().parents[2]
     for path, short_ in ((Path.cwd(), ""), (root, ""), (Path.home(), "~")):
         text = text.replace(str(path) + os.sep, short_)
@@ -49,6 +50,5 @@ def digest(output: str) -> str:
             keep.append(f"agent {agent[1]}: {short(agent[2])}")
         elif line.strip():
             dropped += 1
-    return "\n".join(keep) + (
-        f"\n({dropped} more lines: tracebacks and C++ stacks)" if dropped else ""
-    )
+    more = f"\n({dropped} more lines: tracebacks and C++ stacks)" if dropped else ""
+    return "\n".join(keep) + more

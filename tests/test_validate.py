@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mgtutorial import ddp, launch
-from mgtutorial.ddp import internals as DI
+from mgtutorial.ddp import overlap
 from mgtutorial.pipeline import schedules as P
 from mgtutorial.pipeline import timeline as T
 from mgtutorial.runtime import runlog
@@ -36,14 +36,18 @@ from mgtutorial.runtime import runlog
             ValueError,
             "fail_how='segfault' is not 'raise' or 'sigkill'",
         ),
-        (ddp.DDPConfig(dataset="imagenet"), ValueError, "dataset='imagenet' is not one of"),
+        (ddp.DDPConfig(dataset="imagenet"), ValueError, "dataset='imagenet': must be one of"),
         (
             ddp.DDPConfig(dataset="cifar10", data_root="/nonexistent"),
             FileNotFoundError,
             "CIFAR-10 is not in /nonexistent",
         ),
-        (DI.HooksConfig(accumulation_steps=0), ValueError, "accumulation_steps=0: need at least 1"),
-        (DI.HooksConfig(lr=-1), ValueError, "lr=-1"),  # the base class's checks still apply
+        (
+            overlap.HooksConfig(accumulation_steps=0),
+            ValueError,
+            "accumulation_steps=0: need at least 1",
+        ),
+        (overlap.HooksConfig(lr=-1), ValueError, "lr=-1"),  # the base class's checks still apply
         (P.PipelineConfig(schedule="zb"), ValueError, "schedule='zb' is not one of"),
         (
             P.PipelineConfig(n_microbatches=0),
@@ -103,14 +107,14 @@ def test_checkpoint_that_is_not_one_is_refused_before_it_is_overwritten(tmp_path
 
 def test_refusal_comes_before_any_rank(runs):
     with pytest.raises(ValueError, match="accumulation_steps=0"):
-        launch(DI.hooks_worker, DI.HooksConfig(accumulation_steps=0), 2, runs_dir=runs)
+        launch(overlap.hooks_worker, overlap.HooksConfig(accumulation_steps=0), 2, runs_dir=runs)
     assert not list(runs.iterdir())
 
 
 @pytest.mark.timeout(120)
 def test_accumulation_past_an_epoch_goes_on_into_the_next(runs, no_leftovers):
     # 256 synthetic samples, 2 ranks: 128 per rank = 5⅓ steps of 3 × 8; 8 steps need a second epoch
-    cfg = DI.HooksConfig(
+    cfg = overlap.HooksConfig(
         dataset="synthetic",
         batch_size=8,
         accumulation_steps=3,
@@ -118,7 +122,7 @@ def test_accumulation_past_an_epoch_goes_on_into_the_next(runs, no_leftovers):
         evaluate=False,
         bucket_cap_mb=25,
     )  # one bucket: one all-reduce per optimizer step
-    result = launch(DI.hooks_worker, cfg, 2, runs_dir=runs).wait(timeout=100)
+    result = launch(overlap.hooks_worker, cfg, 2, runs_dir=runs).wait(timeout=100)
     assert {r: v["steps"] for r, v in result.values.items()} == {0: 8, 1: 8}
     syncs = runlog.of_kind(runlog.read_run(result.run_dir), "sync")
     assert [s["step"] for s in syncs if s["rank"] == 0] == list(range(1, 9))

@@ -246,7 +246,9 @@ class Trainer:
         whose ``samples_per_s`` is the course's one throughput: samples trained ÷ ``train_time_s``,
         the seconds in the epochs' step loops (evaluation, epoch-end checkpoints excluded); a job's
         is the ranks' sum."""
-        acc, train_time, epoch = None, 0.0, self.first_epoch
+        acc = None  # the last test accuracy (None without evaluation)
+        train_time = 0.0  # seconds in the epochs' step loops
+        epoch = self.first_epoch
         total = self.cfg.epochs * len(self.loader)
         self.log.plan(steps=min(total, self.max_steps or total))
         for epoch in range(self.first_epoch, self.cfg.epochs):

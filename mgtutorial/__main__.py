@@ -87,6 +87,9 @@ def add_config_options(p: argparse.ArgumentParser, cls, choices: dict | None = N
             kind = type(args[0])
         if typing.get_origin(kind) in (typing.Union, types.UnionType):
             kind = next(a for a in args if a is not type(None))
+        literal = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
+        if literal:  # a choice: the values' type, and the values as argparse's choices
+            kind = type(literal[0])
         extra = (
             {"nargs": "+", "type": typing.get_args(kind)[0]}
             if typing.get_origin(kind) is list
@@ -97,7 +100,7 @@ def add_config_options(p: argparse.ArgumentParser, cls, choices: dict | None = N
             *_ALIASES.get(f.name, []),
             dest=f.name,
             default=default,
-            choices=(choices or {}).get(f.name),
+            choices=(choices or {}).get(f.name, literal),
             help=doc if "(default:" in doc else f"{doc} (default: %(default)s)",
             **extra,
         )

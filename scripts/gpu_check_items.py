@@ -29,12 +29,12 @@ from torch import nn
 
 from mgtutorial import RunResult, ddp, launch
 from mgtutorial.common import models
-from mgtutorial.ddp import internals as ddp_internals
+from mgtutorial.common.compare import max_abs_diff
+from mgtutorial.ddp import batchnorm
 from mgtutorial.hello import HelloConfig, hello
 
 # NVIDIA's libraries read this: no TF32 in cuBLAS/cuDNN, so GPU results compare with CPU fp32 ones
-from mgtutorial.perf import costmodel
-from mgtutorial.perf import timing
+from mgtutorial.perf import costmodel, timing
 from mgtutorial.pipeline import bubble, naive, schedules, timeline
 from mgtutorial.runtime import env, runlog
 
@@ -494,13 +494,13 @@ def syncbn_rank(ctx, batch: int = 4, channels: int = 3) -> dict:
     figures = {"world_size": n}
     if dev.type != "cuda":
         try:
-            ddp_internals.apply_sync_batchnorm(bn, ctx)
+            batchnorm.apply_sync_batchnorm(bn, ctx)
         except RuntimeError as exc:
             figures["dry_run"] = f"refused on CPU as the chapter says: {str(exc)[:60]}…"
             return figures
         raise CheckFailed("apply_sync_batchnorm accepted a CPU rank", figures)
     model = nn.parallel.DistributedDataParallel(
-        ddp_internals.apply_sync_batchnorm(bn, ctx), device_ids=[dev.index]
+        batchnorm.apply_sync_batchnorm(bn, ctx), device_ids=[dev.index]
     )
     x = x_all[rows].to(dev).requires_grad_()
     out = model(x)
@@ -579,7 +579,8 @@ def _ddp_config(w: Where, name: str) -> ddp.DDPConfig:
     chapter="02_ddp",
     min_gpus=1,
     timeout_s=150,
-    what="the chapter-02 DDP worker on cuda:0 (NCCL, 1 rank) gives the CPU parameters (fp32, no TF32)",
+    what="the chapter-02 DDP worker on cuda:0 (NCCL, 1 rank) gives the CPU parameters (fp32, "
+    "no TF32)",
 )
 def ddp_cuda0_vs_cpu(w: Where) -> dict:
     cfg = _ddp_config(w, "ddp1.pt")
@@ -736,7 +737,8 @@ def cuda_event_timing(w: Where) -> dict:
     chapter="03a_collectives",
     min_gpus=1,
     timeout_s=120,
-    what="an NCCL all-reduce returns before it completes: call time vs synchronize, work.is_completed()",
+    what="an NCCL all-reduce returns before it completes: call time vs synchronize, "
+    "work.is_completed()",
 )
 def nccl_async(w: Where) -> dict:
     return _ranks("async", w, w.nprocs)[0]
@@ -824,10 +826,24 @@ def exercise_06b1_nccl(w: Where) -> dict:
     chapter="03b_ddp_internals",
     min_gpus=2,
     timeout_s=120,
-    what="SyncBatchNorm on N GPUs == BatchNorm2d on the combined batch (outputs, statistics, gradients)",
+    what="SyncBatchNorm on N GPUs == BatchNorm2d on the combined batch (outputs, statistics, "
+    "gradients); chapter 03b's sync_batchnorm_worker, as its GPU cell runs it, on 2 GPUs",
 )
 def sync_batchnorm(w: Where) -> dict:
-    return _ranks("syncbn", w, w.nprocs)[0]
+    figures = _ranks("syncbn", w, w.nprocs)[0]
+    # the notebook's cell: torch's layer on GPUs; the dry run takes the stand-in, same worker code
+    cfg = batchnorm.BatchNormConfig(backend=w.backend, sync_layer="torch" if w.cuda else "by_hand")
+    got = _run(batchnorm.sync_batchnorm_worker, cfg, 2, w).values
+    inputs = [batchnorm.batchnorm_inputs(cfg, r) for r in range(2)]
+    bn = nn.BatchNorm2d(cfg.channels, momentum=1.0, affine=False)
+    want = bn(torch.cat(inputs)).split([len(x) for x in inputs])
+    for r in range(2):
+        stats = {k: torch.tensor(got[r][k]) for k in ("out", "running_mean", "running_var")}
+        ref = {"out": want[r], "running_mean": bn.running_mean, "running_var": bn.running_var}
+        figures[f"worker_rank{r}_max_diff"] = diff = max_abs_diff(stats, ref)
+        what = f"sync_batchnorm_worker, rank {r}: differs from BatchNorm on the combined batch"
+        expect(diff < FP32_TOL["atol"], f"{what} by {diff:.1e}", figures)
+    return figures
 
 
 @item(

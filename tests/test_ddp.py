@@ -8,6 +8,7 @@ import workers
 
 from mgtutorial import ddp, launch
 from mgtutorial.common import checkpoint, models
+from mgtutorial.common.compare import max_abs_diff
 from mgtutorial.runtime import runlog
 
 
@@ -29,12 +30,10 @@ def test_ddp_equals_single_process_on_combined_batch(runs, no_leftovers):
     launch(ddp.worker, cfg, 2, runs_dir=runs).wait(timeout=60)
     got = _params(ckpt)
     ref = ddp.combined_batch_reference(cfg, 2).state_dict()
-    assert got.keys() == ref.keys()
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     # the comparison can fail: one process on rank 0's batches alone ends elsewhere
     alone = ddp.combined_batch_reference(cfg, 1).state_dict()
-    assert max((alone[k] - got[k]).abs().max().item() for k in got) > 1e-4
+    assert max_abs_diff(alone, got) > 1e-4
 
 
 @pytest.mark.timeout(60)
@@ -81,9 +80,7 @@ def test_checkpoint_written_once_loads_strict_and_resume_continues(runs, no_left
     launch(
         ddp.worker, ddp.DDPConfig(epochs=2, checkpoint=str(straight), **common), 2, runs_dir=runs
     ).wait(timeout=60)
-    resumed, uninterrupted = _params(ckpt), _params(straight)
-    for k in uninterrupted:
-        torch.testing.assert_close(resumed[k], uninterrupted[k])
+    torch.testing.assert_close(_params(ckpt), _params(straight))  # resumed == uninterrupted
 
 
 @pytest.mark.timeout(120)
@@ -146,10 +143,7 @@ def test_epoch_line_is_epoch_mean_and_throughput_counts_training_time(runs, no_l
         for e in (0, 1)
     ]
     assert printed == pytest.approx(means, abs=5e-5)  # 4 decimals printed
-    assert printed[1] != pytest.approx(
-        recs[-1]["global_loss"], abs=5e-5
-    )  # not the last step's loss
+    assert printed[1] != pytest.approx(recs[-1]["global_loss"], abs=5e-5)  # not the last step's
     for v in res.values.values():
-        assert v["samples"] == 2 * 128 and v["samples_per_s"] * v["train_time_s"] == pytest.approx(
-            v["samples"]
-        )
+        assert v["samples"] == 2 * 128
+        assert v["samples_per_s"] * v["train_time_s"] == pytest.approx(v["samples"])

@@ -1,6 +1,7 @@
 """The pieces of chapter 03's checkers that need no ranks: the patched collectives, the hint for
-a sum instead of a mean, and Join's one-process reference (mgtutorial/exercises/ch03a.py, ch03b.py).
-Both ways on the notebooks' solutions and starters: tests/test_exercises.py."""
+a sum instead of a mean (mgtutorial/exercises/ddp_checks.py), and Join's one-process reference
+(mgtutorial/exercises/ch03b_join.py); then wrong answers run in ranks, each checker failing with its
+own hint. Both ways on the notebooks' solutions and starters: tests/test_exercises.py."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from torch import nn
 
 from mgtutorial import ddp, exercises
 from mgtutorial.exercises import ExerciseError
-from mgtutorial.exercises.ch03a import compare_with_reference, patched
-from mgtutorial.exercises.ch03b import JoinConfig, join_model, join_reference, uneven_batches
+from mgtutorial.exercises.ch03b_join import JoinConfig, join_model, join_reference, uneven_batches
+from mgtutorial.exercises.ddp_checks import compare_with_reference, patched
 from mgtutorial.runtime import env
 
 
@@ -85,17 +86,22 @@ WRONG = {
         "ch03a.ring_all_reduce",
         """import torch, torch.distributed as dist
 def exchange(send, recv, rank, world_size):
-    for r in [dist.isend(send, (rank + 1) % world_size), dist.irecv(recv, (rank - 1) % world_size)]: r.wait()
+    n = world_size
+    for r in [dist.isend(send, (rank + 1) % n), dist.irecv(recv, (rank - 1) % n)]:
+        r.wait()
 def ring_all_reduce(t, rank, world_size):
     chunks, got = t.chunk(world_size), torch.empty_like(t.chunk(world_size)[0])
     for step in range(world_size - 1):
         exchange(chunks[(rank - step) % world_size], got, rank, world_size)
         chunks[(rank - step - 1) % world_size].add_(got)
     mine = (rank + 1) % world_size
-    full = torch.zeros_like(t); full.chunk(world_size)[mine].copy_(chunks[mine])
+    full = torch.zeros_like(t)
+    full.chunk(world_size)[mine].copy_(chunks[mine])
     send, recv = full.clone(), torch.empty_like(t)
     for step in range(world_size - 1):
-        exchange(send, recv, rank, world_size); full += recv; send = recv.clone()
+        exchange(send, recv, rank, world_size)
+        full += recv
+        send = recv.clone()
     t.copy_(full)
 """,
         "rank 0 sent 30 elements for its tensor of 8",
@@ -104,7 +110,8 @@ def ring_all_reduce(t, rank, world_size):
         "ch03a.overlap",
         """import torch.distributed as dist
 def reduce_while_computing(t, compute):
-    dist.all_reduce(t, async_op=True).wait(); compute()
+    dist.all_reduce(t, async_op=True).wait()
+    compute()
 """,
         "its all-reduce had already finished",
     ),
@@ -112,7 +119,8 @@ def reduce_while_computing(t, compute):
         "ch03a.overlap",
         """import torch.distributed as dist
 def reduce_while_computing(t, compute):
-    work = dist.all_reduce(t, async_op=True); compute()
+    work = dist.all_reduce(t, async_op=True)
+    compute()
 """,
         r"call work.wait\(\) before returning",
     ),
@@ -120,7 +128,9 @@ def reduce_while_computing(t, compute):
         "ch03a.average_by_hand",
         """import torch, torch.distributed as dist
 def average_gradients(model, world_size):
-    flat = torch.cat([p.grad.flatten() for p in model.parameters()]); dist.all_reduce(flat); flat /= world_size
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(flat)
+    flat /= world_size
 """,
         "copy the reduced pieces back into the p.grad",
     ),
@@ -128,16 +138,24 @@ def average_gradients(model, world_size):
         "ch03b.fp16_hook",
         HOOK
         + """    for g in bucket.gradients():
-        h = g.half() / dist.get_world_size(); dist.all_reduce(h); g.copy_(h)
-    fut = torch.futures.Future(); fut.set_result(buffer); return fut
+        h = g.half() / dist.get_world_size()
+        dist.all_reduce(h)
+        g.copy_(h)
+    fut = torch.futures.Future()
+    fut.set_result(buffer)
+    return fut
 """,
         "called dist.all_reduce 6 times",
     ),
     "hook, blocking all-reduce": (
         "ch03b.fp16_hook",
         HOOK
-        + """    half = buffer.half() / dist.get_world_size(); dist.all_reduce(half); buffer.copy_(half)
-    fut = torch.futures.Future(); fut.set_result(buffer); return fut
+        + """    half = buffer.half() / dist.get_world_size()
+    dist.all_reduce(half)
+    buffer.copy_(half)
+    fut = torch.futures.Future()
+    fut.set_result(buffer)
+    return fut
 """,
         "blocked until done",
     ),
@@ -154,7 +172,8 @@ def average_gradients(model, world_size):
         HOOK
         + """    half = buffer.half()
     def back(f):
-        buffer.copy_(f.value()[0]); return buffer
+        buffer.copy_(f.value()[0])
+        return buffer
     return dist.all_reduce(half, async_op=True).get_future().then(back)
 """,
         r"moved [12]\.\d× as far .* divide by the world size",
@@ -182,7 +201,9 @@ def train_uneven(model, optimizer, loss_fn, batches):
         for i, (x, y) in enumerate(batches):
             if i == 1 and os.environ["RANK"] == "0":
                 time.sleep(4)  # longer than the timeout, while every rank still trains
-            optimizer.zero_grad(set_to_none=True); loss_fn(model(x), y).backward(); optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            optimizer.step()
 """,
         "timed out in step 2 of 6, where every rank still trains: the machine was too busy",
     ),
@@ -232,7 +253,9 @@ if os.environ.get("RANK") == "1":
 def train_uneven(model, optimizer, loss_fn, batches):
     with Join([model]):
         for x, y in batches:
-            optimizer.zero_grad(set_to_none=True); loss_fn(model(x), y).backward(); optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            optimizer.step()
 """)
     exercises.ch03b.join_uneven("answer.py")
     assert capsys.readouterr().out.startswith("✓ 03b.4 join: ")

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from mgtutorial import ddp, launch
-from mgtutorial.ddp import internals as DI
-from mgtutorial.pipeline import handoff
-from mgtutorial.pipeline import schedules as P
+from mgtutorial.ddp import overlap
+from mgtutorial.pipeline import handoff, schedules
 from mgtutorial.runtime import runlog
 
 
@@ -25,45 +24,49 @@ from mgtutorial.runtime import runlog
         (ddp.DDPConfig(timeout_s=0), ValueError, "timeout_s=0: must be positive"),
         (ddp.DDPConfig(seed=-1), ValueError, "seed=-1: must be at least 0"),
         (ddp.DDPConfig(resume=True), ValueError, "resume=True needs the file to resume from"),
-        (ddp.DDPConfig(dataset="imagenet"), ValueError, "dataset='imagenet' is not one of"),
+        (ddp.DDPConfig(dataset="imagenet"), ValueError, "dataset='imagenet': must be one of"),
         (
             ddp.DDPConfig(dataset="cifar10", data_root="/nonexistent"),
             FileNotFoundError,
             "CIFAR-10 is not in /nonexistent",
         ),
-        (DI.HooksConfig(accumulation_steps=0), ValueError, "accumulation_steps=0: need at least 1"),
-        (DI.HooksConfig(lr=-1), ValueError, "lr=-1"),  # the base class's checks still apply
-        (P.PipelineConfig(schedule="zb"), ValueError, "schedule='zb': must be one of"),
         (
-            P.PipelineConfig(n_microbatches=0),
+            overlap.HooksConfig(accumulation_steps=0),
+            ValueError,
+            "accumulation_steps=0: need at least 1",
+        ),
+        (overlap.HooksConfig(lr=-1), ValueError, "lr=-1"),  # the base class's checks still apply
+        (schedules.PipelineConfig(schedule="zb"), ValueError, "schedule='zb': must be one of"),
+        (
+            schedules.PipelineConfig(n_microbatches=0),
             ValueError,
             "n_microbatches=0 must be between 1 and batch_size=64",
         ),
         (
-            P.PipelineConfig(batch_size=30, n_microbatches=4),
+            schedules.PipelineConfig(batch_size=30, n_microbatches=4),
             ValueError,
             "batch_size=30 is not divisible by n_microbatches=4",
         ),
         (
-            P.PipelineConfig(schedule="1f1b", n_microbatches=1),
+            schedules.PipelineConfig(schedule="1f1b", n_microbatches=1),
             ValueError,
             r"1F1B needs n_microbatches ≥ stages: 1 < 2",
         ),
         (
-            P.PipelineConfig(sizes=[8, 4]),
+            schedules.PipelineConfig(sizes=[8, 4]),
             ValueError,
             "2 stages but the MLP has only 1 sub-networks",
         ),
-        (P.PipelineConfig(steps=0), ValueError, "steps=0: must be at least 1"),
+        (schedules.PipelineConfig(steps=0), ValueError, "steps=0: must be at least 1"),
         (handoff.HandoffConfig(reps=2), ValueError, r"reps ≥ 3 \(got 2\)"),
         (
-            P.PipelineConfig(sizes=[64, -4, 8]),
+            schedules.PipelineConfig(sizes=[64, -4, 8]),
             ValueError,
             r"sizes=\[64, -4, 8\]: give at least two layer widths",
         ),
-        (P.PipelineConfig(lr=float("nan")), ValueError, "lr=nan: must be a finite number"),
+        (schedules.PipelineConfig(lr=float("nan")), ValueError, "lr=nan: must be a finite number"),
         (
-            P.PipelineConfig(fail_stage=2),
+            schedules.PipelineConfig(fail_stage=2),
             ValueError,
             r"fail_stage=2: must be -1 \(none\) or a stage of the job, 0 … 1",
         ),
@@ -92,14 +95,14 @@ def test_checkpoint_that_is_not_one_is_refused_before_it_is_overwritten(tmp_path
 
 def test_refusal_comes_before_any_rank(runs):
     with pytest.raises(ValueError, match="accumulation_steps=0"):
-        launch(DI.hooks_worker, DI.HooksConfig(accumulation_steps=0), 2, runs_dir=runs)
+        launch(overlap.hooks_worker, overlap.HooksConfig(accumulation_steps=0), 2, runs_dir=runs)
     assert not list(runs.iterdir())
 
 
 @pytest.mark.timeout(120)
 def test_accumulation_past_an_epoch_goes_on_into_the_next(runs, no_leftovers):
     # 256 synthetic samples, 2 ranks: 128 per rank = 5⅓ steps of 3 × 8; 8 steps need a second epoch
-    cfg = DI.HooksConfig(
+    cfg = overlap.HooksConfig(
         dataset="synthetic",
         batch_size=8,
         accumulation_steps=3,
@@ -107,7 +110,7 @@ def test_accumulation_past_an_epoch_goes_on_into_the_next(runs, no_leftovers):
         evaluate=False,
         bucket_cap_mb=25,
     )  # one bucket: one all-reduce per optimizer step
-    result = launch(DI.hooks_worker, cfg, 2, runs_dir=runs).wait(timeout=100)
+    result = launch(overlap.hooks_worker, cfg, 2, runs_dir=runs).wait(timeout=100)
     assert {r: v["steps"] for r, v in result.values.items()} == {0: 8, 1: 8}
     syncs = runlog.of_kind(runlog.read_run(result.run_dir), "sync")
     assert [s["step"] for s in syncs if s["rank"] == 0] == list(range(1, 9))

@@ -19,12 +19,15 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
-DATASETS = ("auto", "digits", "cifar10", "synthetic")
+DatasetChoice = Literal["auto", "digits", "cifar10", "synthetic"]
+"""A dataset's name (see the module docstring); "auto" is CIFAR-10 when on disk, else digits."""
+DATASETS = get_args(DatasetChoice)
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 

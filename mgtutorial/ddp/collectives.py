@@ -1,5 +1,6 @@
 """DDP under the hood, part 1: the collectives, and DDP written from scratch (broadcast once,
-all-reduce every gradient). DDP's knobs and pitfalls are in :mod:`mgtutorial.ddp.internals`.
+all-reduce every gradient). What the real DDP adds is in :mod:`mgtutorial.ddp.overlap` (buckets,
+hooks) and :mod:`mgtutorial.ddp.internals` (pitfalls).
 
 Taught in notebooks/03a_collectives.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.html (collectives) and
@@ -19,27 +20,28 @@ import torch.distributed as dist
 from torch import nn
 
 from mgtutorial import ddp
-
-# ---------------------------------------------------------------------------------------------
+from mgtutorial.common.config import Config
 from mgtutorial.runtime import env, runlog
 
+# ---------------------------------------------------------------------------------------------
 # 1. The collectives, on small tensors whose values say where they came from
 
 
 @dataclass(kw_only=True)
-class TourConfig:
-    """Configuration of :func:`collectives_tour`."""
+class TourConfig(Config):
+    """Configuration of :func:`collectives_tour` and :func:`async_allreduce`."""
 
     size: int = 4
     """Elements of each rank's tensor (a multiple of the world size, for reduce-scatter)."""
-    backend: str = "auto"
-    """"auto" | "gloo" | "nccl"."""
+    backend: env.BackendChoice = "auto"
+    """Process-group backend ("auto": NCCL with a GPU per local rank, else gloo)."""
     barrier_delay_s: float = 0.5
     """The last rank sleeps this long before the barrier; the others wait for it."""
 
 
-def _start_tensor(rank: int, size: int, device) -> torch.Tensor:
-    # rank r holds [10r, 10r+1, ...]: every value says which rank it came from
+def start_tensor(rank: int, size: int, device) -> torch.Tensor:
+    """Rank ``rank``'s ``(size,)`` float32 tensor ``[10r, 10r + 1, …]`` on ``device``: every value
+    says which rank it came from."""
     return (torch.arange(size, dtype=torch.float32) + 10 * rank).to(device)
 
 
@@ -47,8 +49,8 @@ def collectives_tour(cfg: TourConfig) -> list[dict]:
     """Run each collective once and log every rank's tensor before and after it.
 
     Logs ``kind="collective"`` records: ``op``, ``before``, ``after`` (lists), plus ``entered``
-    (unix s) and ``waited_s`` for the barrier. Shapes: each rank starts with a ``(size,)`` tensor; all_gather's result is
-    ``(world_size · size,)``; reduce_scatter's ``(size / world_size,)``.
+    (unix s) and ``waited_s`` for the barrier. Shapes: each rank starts with a ``(size,)`` tensor;
+    all_gather's result is ``(world_size · size,)``; reduce_scatter's ``(size / world_size,)``.
 
     Raises:
         ValueError: ``size`` not divisible by the world size.
@@ -72,23 +74,23 @@ def collectives_tour(cfg: TourConfig) -> list[dict]:
             ("all_reduce (sum)", dist.ReduceOp.SUM),
             ("all_reduce (average)", dist.ReduceOp.AVG),
         ):
-            t = _start_tensor(r, cfg.size, dev)
+            t = start_tensor(r, cfg.size, dev)
             before = t.clone()
             dist.all_reduce(t, op=how)
             record(op, before, t)
-        t = _start_tensor(r, cfg.size, dev)
+        t = start_tensor(r, cfg.size, dev)
         before = t.clone()
         dist.broadcast(t, src=0)
         record("broadcast (from rank 0)", before, t)
-        t = _start_tensor(r, cfg.size, dev)
+        t = start_tensor(r, cfg.size, dev)
         parts = [torch.empty_like(t) for _ in range(n)]
         dist.all_gather(parts, t)
         record("all_gather", t, torch.cat(parts))
-        t = _start_tensor(r, cfg.size, dev)
+        t = start_tensor(r, cfg.size, dev)
         out = torch.empty(cfg.size // n, device=dev)
         dist.reduce_scatter(out, list(t.chunk(n)))
         record("reduce_scatter (sum)", t, out)
-        t = _start_tensor(r, cfg.size, dev)
+        t = start_tensor(r, cfg.size, dev)
         got = torch.empty_like(t)
         reqs = [dist.isend(t, (r + 1) % n), dist.irecv(got, (r - 1) % n)]
         for req in reqs:
@@ -98,7 +100,7 @@ def collectives_tour(cfg: TourConfig) -> list[dict]:
             time.sleep(cfg.barrier_delay_s)
         t0 = time.time()
         dist.barrier()
-        t = _start_tensor(r, cfg.size, dev)
+        t = start_tensor(r, cfg.size, dev)
         record("barrier", t, t, entered=t0, waited_s=time.time() - t0)
         return records
 
@@ -112,7 +114,7 @@ def async_allreduce(cfg: TourConfig) -> dict:
     collective returns at once like this one, queued on a CUDA stream.
     """
     with env.distributed(cfg.backend) as ctx:
-        t = _start_tensor(ctx.rank, cfg.size, ctx.device)
+        t = start_tensor(ctx.rank, cfg.size, ctx.device)
         if ctx.rank == ctx.world_size - 1:
             time.sleep(cfg.barrier_delay_s)
         called = time.time()
@@ -129,7 +131,8 @@ def async_allreduce(cfg: TourConfig) -> dict:
 
 
 def tour_figure(records: list[dict]):
-    """One row per collective, one column per rank, before → after, drawn from the logged tensors."""
+    """One row per collective, one column per rank, before → after, drawn from the logged
+    tensors (the records of :func:`collectives_tour`). Returns a matplotlib ``Figure``."""
     from matplotlib.figure import Figure
 
     ops = list(dict.fromkeys(r["op"] for r in records if r.get("kind") == "collective"))
@@ -148,9 +151,8 @@ def tour_figure(records: list[dict]):
             if j == 0:
                 ax.set_title(op, loc="left", fontsize=9, fontweight="bold")
             if i == 0:
-                ax.text(
-                    0.0, 1.35, f"rank {rank}", transform=ax.transAxes, fontsize=10, color="tab:blue"
-                )
+                title = f"rank {rank}"
+                ax.text(0.0, 1.35, title, transform=ax.transAxes, fontsize=10, color="tab:blue")
     return fig
 
 
@@ -172,7 +174,8 @@ class FromScratchDDP(nn.Module):
 
     def __init__(self, module: nn.Module, ctx: env.DistContext):
         super().__init__()
-        self.module, self.world_size = module, ctx.world_size
+        self.module = module
+        self.world_size = ctx.world_size
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(t, src=0)

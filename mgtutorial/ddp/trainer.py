@@ -2,14 +2,17 @@
 
 Taught in notebooks/01_single_device.ipynb (one rank) and notebooks/02_ddp.ipynb (two or more).
 Follows https://pytorch.org/docs/stable/notes/ddp.html and
-https://pytorch.org/tutorials/intermediate/ddp_tutorial.html.
+https://pytorch.org/tutorials/intermediate/ddp_tutorial.html. The pieces a rank sets up (loader,
+DDP wrapper, step record) are in :mod:`mgtutorial.ddp.setup`; the single-process reference DDP
+equals is :mod:`mgtutorial.ddp.reference`.
 
 From the shell, one node, 2 ranks (gloo on CPU, NCCL with one GPU per rank)::
 
     python -m mgtutorial ddp --nproc 2 --epochs 2                   # launches its own ranks
     torchrun --standalone --nproc-per-node 2 -m mgtutorial ddp --epochs 2
 
-Several nodes: the same worker under ``torchrun --nnodes N ...`` (notebooks/05a_torchrun_multinode.ipynb).
+Several nodes: the same worker under ``torchrun --nnodes N ...``
+(notebooks/05a_torchrun_multinode.ipynb).
 """
 
 from __future__ import annotations
@@ -20,16 +23,16 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mgtutorial.common import data, models
+from mgtutorial.common import config, data, models
 from mgtutorial.common.checkpoint import check_checkpoint_path, load_checkpoint, save_checkpoint
 from mgtutorial.common.config import at_least, positive
+from mgtutorial.ddp.setup import build, log_step, rank_loader
 from mgtutorial.runtime import env, runlog
 
 
 @dataclass(kw_only=True)
-class DDPConfig:
+class DDPConfig(config.Config):
     """Configuration of :func:`worker` (JSON-serialisable: it crosses the process boundary)."""
 
     epochs: int = 3
@@ -40,8 +43,9 @@ class DDPConfig:
     """SGD learning rate."""
     momentum: float = 0.9
     """SGD momentum."""
-    dataset: str = "auto"
-    """"auto" | "digits" | "cifar10" | "synthetic" (see :mod:`mgtutorial.common.data`)."""
+    dataset: data.DatasetChoice = "auto"
+    """The training data ("auto": CIFAR-10 when on disk, else digits; see
+    :mod:`mgtutorial.common.data`)."""
     data_root: str | None = None
     """Dataset folder (default ``$MGTUTORIAL_DATA`` or ``~/.cache/mgtutorial/data``)."""
     download: bool = False
@@ -52,25 +56,29 @@ class DDPConfig:
     """Shuffle the training set each epoch (DistributedSampler with ``seed + epoch``)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (None: run all epochs)."""
-    backend: str = "auto"
-    """"auto" | "gloo" | "nccl"."""
+    backend: env.BackendChoice = "auto"
+    """Process-group backend ("auto": NCCL with a GPU per local rank, else gloo)."""
     timeout_s: float = 120.0
     """Collective timeout in seconds: a rank waiting longer for its peers raises."""
     checkpoint: str | None = None
-    """File to save model + optimizer + progress to (rank 0) after each epoch; None: no checkpoints."""
+    """File to save model + optimizer + progress to (rank 0) after each epoch; None: no
+    checkpoints."""
     resume: bool = False
     """Load ``checkpoint`` if it exists and continue exactly where it was taken (mid-epoch too)."""
     evaluate: bool = True
     """Measure test-set accuracy at the end of each epoch."""
     tf32: bool = True
-    """True: torch's defaults (TF32 in cuDNN only, not in matmuls); False: full float32 on GPUs; CPU: no effect."""
+    """True: torch's defaults (TF32 in cuDNN only, not in matmuls); False: full float32 on GPUs;
+    CPU: no effect."""
 
     def validate(self, world_size: int) -> None:
         """Called by :func:`mgtutorial.launch` before any process starts.
 
         Raises:
-            ValueError: a value out of range. FileNotFoundError: CIFAR-10 asked for but not on disk.
+            ValueError: a value out of range, or not one of its field's choices.
+            FileNotFoundError: CIFAR-10 asked for but not on disk.
         """
+        super().validate(world_size)
         at_least(
             self, 1, "epochs", "batch_size", *(("max_steps",) if self.max_steps is not None else ())
         )
@@ -80,57 +88,6 @@ class DDPConfig:
         data.check_available(
             data.resolve_dataset(self.dataset, self.data_root), self.data_root, self.download
         )
-
-
-def rank_loader(train_set, cfg: DDPConfig, rank: int, world_size: int, epoch: int = 0):
-    """Rank ``rank``'s training loader for ``cfg`` (per-rank batch, seed, shuffle), set to ``epoch``:
-    the one place the workers and the single-process reference build it, so they all draw the same
-    indices (see :func:`mgtutorial.common.data.train_loader`)."""
-    loader = data.train_loader(
-        train_set, cfg.batch_size, rank, world_size, seed=cfg.seed, shuffle=cfg.shuffle
-    )
-    loader.sampler.set_epoch(epoch)
-    return loader
-
-
-def log_step(
-    log: runlog.RunLog, ctx: env.DistContext, *, step: int, epoch: int, loss: float, samples: int
-) -> dict:
-    """Log one training step: this rank's ``loss`` and ``global_loss``, its all-reduced mean.
-    Every rank must call it at every step (``global_loss`` is a collective)."""
-    return log.train(
-        step=step, epoch=epoch, loss=loss, global_loss=env.global_mean(loss, ctx), samples=samples
-    )
-
-
-def apply_ddp(model: nn.Module, ctx: env.DistContext, **ddp_kwargs) -> nn.Module:
-    """Move ``model`` to this rank's device, then wrap it in DDP (``device_ids`` only on GPU).
-
-    ``ddp_kwargs`` go to DDP (``bucket_cap_mb``, ``find_unused_parameters``, … — chapter 03).
-    Returns the model unchanged when there is no process group (a plain single process).
-    """
-    model = model.to(ctx.device)
-    if not ctx.initialized:
-        return model
-    return DDP(
-        model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, **ddp_kwargs
-    )
-
-
-def build(cfg: DDPConfig, ctx: env.DistContext, wrap=apply_ddp, model_cls=models.ArticleCNN):
-    """Seeded model, datasets and optimizer for ``cfg`` → (model, train_set, test_set, optimizer).
-
-    ``wrap(model, ctx)`` moves and wraps the model (default :func:`apply_ddp`); ``model_cls(in_shape=...)``
-    builds it (default the article's CNN).
-    """
-    env.seed_everything(cfg.seed)
-    if not cfg.tf32:
-        models.disable_tf32()
-    train_set, test_set = data.load_dataset(cfg.dataset, cfg.data_root, cfg.download, seed=cfg.seed)
-    in_shape = tuple(train_set[0][0].shape)
-    model = wrap(model_cls(in_shape=in_shape), ctx)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    return model, train_set, test_set, optimizer
 
 
 class Trainer:
@@ -143,38 +100,33 @@ class Trainer:
     """
 
     def __init__(self, model, train_set, test_set, optimizer, ctx: env.DistContext, cfg: DDPConfig):
-        self.model, self.optimizer, self.ctx, self.cfg, self.test_set = (
-            model,
-            optimizer,
-            ctx,
-            cfg,
-            test_set,
-        )
+        self.model = model
+        self.optimizer = optimizer
+        self.ctx = ctx
+        self.cfg = cfg
+        self.test_set = test_set
         self.loader = rank_loader(train_set, cfg, ctx.rank, ctx.world_size)
         self.loss_fn = nn.CrossEntropyLoss()
         self.log = runlog.RunLog()
-        self.first_epoch, self.step, self.samples, self.skip, self.max_steps = (
-            0,
-            0,
-            0,
-            0,
-            cfg.max_steps,
-        )
+        self.max_steps = cfg.max_steps
+        # progress: where this run starts (a resumed checkpoint's, below)
+        self.first_epoch = 0
+        self.step = 0  # optimizer steps done
+        self.samples = 0  # samples this rank has trained on
+        self.skip = 0  # batches of first_epoch trained before the checkpoint
         self.attempt = env.restart_count()
         if cfg.resume and cfg.checkpoint and Path(cfg.checkpoint).exists():
             state = load_checkpoint(cfg.checkpoint, model, optimizer, ctx.device)
-            self.first_epoch, self.step, self.skip = (
-                state["epoch"],
-                state["step"],
-                state.get("batch", 0),
-            )
+            self.first_epoch = state["epoch"]
+            self.step = state["step"]
+            self.skip = state.get("batch", 0)
             self.samples = state.get("samples", 0)
             self.log.resume(
                 step=self.step, epoch=self.first_epoch, batch=self.skip, attempt=self.attempt
             )
             ctx.print(
-                f"resumed from {cfg.checkpoint}: {self.first_epoch} epoch(s) + {self.skip} batch(es), "
-                f"step {self.step}"
+                f"resumed from {cfg.checkpoint}: {self.first_epoch} epoch(s) + {self.skip} "
+                f"batch(es), step {self.step}"
             )
         self.first_samples = self.samples
 
@@ -234,8 +186,8 @@ class Trainer:
     def evaluate(self) -> tuple[float, float]:
         """Test accuracy and mean loss over the *whole* test set, each sample counted once.
 
-        Each rank scores its :func:`~mgtutorial.common.data.eval_shard` with the unwrapped module (no DDP
-        collectives), then one all-reduce sums (correct, loss, count) over ranks.
+        Each rank scores its :func:`~mgtutorial.common.data.eval_shard` with the unwrapped module
+        (no DDP collectives), then one all-reduce sums (correct, loss, count) over ranks.
         """
         module = models.unwrap(self.model)
         module.eval()
@@ -257,10 +209,13 @@ class Trainer:
         return correct / count, loss_sum / count
 
     def train(self) -> dict:
-        """Run the epochs (or ``max_steps``); log, evaluate, checkpoint. Returns a summary dict whose
-        ``samples_per_s`` is the course's one throughput: samples trained ÷ ``train_time_s``, the seconds
-        in the epochs' step loops (evaluation, epoch-end checkpoints excluded); a job's is the ranks' sum."""
-        acc, train_time, epoch = None, 0.0, self.first_epoch
+        """Run the epochs (or ``max_steps``); log, evaluate, checkpoint. Returns a summary dict
+        whose ``samples_per_s`` is the course's one throughput: samples trained ÷ ``train_time_s``,
+        the seconds in the epochs' step loops (evaluation, epoch-end checkpoints excluded); a job's
+        is the ranks' sum."""
+        acc = None  # the last test accuracy (None without evaluation)
+        train_time = 0.0  # seconds in the epochs' step loops
+        epoch = self.first_epoch
         total = self.cfg.epochs * len(self.loader)
         self.log.plan(steps=min(total, self.max_steps or total))
         for epoch in range(self.first_epoch, self.cfg.epochs):
@@ -282,9 +237,7 @@ class Trainer:
             if self._done():
                 break
         self.log.close()
-        trained = (
-            self.samples - self.first_samples
-        )  # by this attempt (a resumed run starts counted)
+        trained = self.samples - self.first_samples  # by this run (a resumed one starts counted)
         return {
             "rank": self.ctx.rank,
             "steps": self.step,
@@ -305,30 +258,3 @@ def worker(cfg: DDPConfig) -> dict:
             f"{len(train_set)} training samples, batch {cfg.batch_size} per rank"
         )
         return Trainer(model, train_set, test_set, optimizer, ctx, cfg).train()
-
-
-def combined_batch_reference(cfg: DDPConfig, world_size: int) -> nn.Module:
-    """One plain process trained, step by step, on the union of what ``world_size`` DDP ranks see
-    (their DistributedSamplers' indices): one batch of ``batch_size × world_size``. With equal per-rank
-    batches its mean loss has the average of the ranks' gradients, what DDP's all-reduce computes.
-    Runs ``cfg.max_steps`` steps (required, else ValueError) of epoch 0; returns the model (CPU)."""
-    if cfg.max_steps is None:
-        raise ValueError("combined_batch_reference needs cfg.max_steps.")
-    ctx = env.DistContext.single_process()
-    model, train_set, _, optimizer = build(cfg, ctx)
-    loaders = [rank_loader(train_set, cfg, r, world_size) for r in range(world_size)]
-    loss_fn = nn.CrossEntropyLoss()
-    for step, batches in enumerate(zip(*loaders)):
-        if step >= cfg.max_steps:
-            break
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        optimizer.step()
-    return model
-
-
-def max_param_diff(model: nn.Module, state_dict: dict) -> float:
-    """Largest absolute difference between ``model``'s parameters and those in ``state_dict``."""
-    own = model.state_dict()
-    return max((own[k].float() - v.float().cpu()).abs().max().item() for k, v in state_dict.items())

@@ -12,6 +12,7 @@ from torch import nn
 
 from mgtutorial import ddp
 from mgtutorial.common import data, models
+from mgtutorial.common.compare import max_abs_diff
 from mgtutorial.exercises._common import (
     ExerciseError,
     answered,
@@ -61,8 +62,8 @@ def label_counts(counts: dict, balanced) -> None:
         require(
             got[label] == truth[label],
             ex,
-            f"counts[{label}] = {got[label]} is not the number of training images with label {label}: "
-            f"count the label y of every (x, y) in the training set (not one batch)",
+            f"counts[{label}] = {got[label]} is not the number of training images with label "
+            f"{label}: count the label y of every (x, y) in the training set (not one batch)",
         )
     mean = len(train_labels) / 10
     is_balanced = all(abs(n - mean) <= 0.1 * mean for n in truth)
@@ -128,10 +129,6 @@ def _reference_step(model, loss_fn, optimizer, x, y) -> float:
     )
 
 
-def _max_diff(a: nn.Module, b: nn.Module) -> float:
-    return ddp.max_param_diff(a, b.state_dict())
-
-
 def training_step(train_step: Callable, steps: int = 3) -> None:
     """01.3: ``train_step(model, loss_fn, optimizer, X, y) -> float`` does one optimizer step on the
     batch ``X`` (B, 3, 32, 32), ``y`` (B,) and returns its loss as a Python float.
@@ -166,13 +163,13 @@ def training_step(train_step: Callable, steps: int = 3) -> None:
         require(
             math.isclose(loss, ref_loss, rel_tol=1e-5),
             ex,
-            f"step {step}'s loss is {loss:.4f}, the Trainer's is {ref_loss:.4f}: return the loss of "
-            f"this batch, computed before the weights change",
+            f"step {step}'s loss is {loss:.4f}, the Trainer's is {ref_loss:.4f}: return the loss "
+            "of this batch, computed before the weights change",
         )
-        if _max_diff(mine, ref) <= 1e-6:
+        if max_abs_diff(mine.state_dict(), ref.state_dict()) <= 1e-6:
             continue
         require(
-            ddp.max_param_diff(mine, start) > 0,
+            max_abs_diff(mine.state_dict(), start) > 0,
             ex,
             "the weights did not change: call optimizer.step() "
             "after loss.backward(), or is zero_grad() between "
@@ -232,5 +229,6 @@ def learning_rates(order: list, lrs=(0.001, 0.01, 0.05), max_steps: int = 45) ->
         )
     passed(
         ex,
-        f"over {max_steps} steps lr={truth[0]} trained best, then lr={truth[1]}, then lr={truth[2]}",
+        f"over {max_steps} steps lr={truth[0]} trained best, then lr={truth[1]}, then "
+        f"lr={truth[2]}",
     )

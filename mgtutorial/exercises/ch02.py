@@ -11,6 +11,7 @@ from torch.utils.data import DistributedSampler
 
 from mgtutorial import ddp
 from mgtutorial.common import data
+from mgtutorial.common.compare import max_abs_diff
 from mgtutorial.exercises._common import (
     ExerciseError,
     answered,
@@ -29,11 +30,11 @@ from mgtutorial.scale.elastic import ElasticConfig, elastic_worker
 
 
 def failing_rank(cfg: ElasticConfig, predicted: dict) -> None:
-    """02.1: ``cfg`` makes rank 1 fail with ``fail_rank=1, fail_step=5``: after 5 completed, logged steps,
-    before step 6. ``predicted["rank"]`` is the rank the error names and ``predicted["steps_logged"]``
-    the number of steps rank 0's log holds when the job stops. Launches
-    :func:`mgtutorial.scale.elastic.elastic_worker` (chapter 02's worker with the fault injection)
-    on 2 ranks and reads the run's logs."""
+    """02.1: ``cfg`` makes rank 1 fail with ``fail_rank=1, fail_step=5``: after 5 completed, logged
+    steps, before step 6. ``predicted["rank"]`` is the rank the error names and
+    ``predicted["steps_logged"]`` the number of steps rank 0's log holds when the job stops.
+    Launches :func:`mgtutorial.scale.elastic.elastic_worker` (chapter 02's worker with the fault
+    injection) on 2 ranks and reads the run's logs."""
     ex = "02.1 a failing rank"
     guess = {
         k: answered(predicted.get(k), ex, f"predicted[{k!r}]") for k in ("rank", "steps_logged")
@@ -71,22 +72,21 @@ def failing_rank(cfg: ElasticConfig, predicted: dict) -> None:
     require(
         guess["steps_logged"] == logged,
         ex,
-        f"rank 0 logged {logged} steps, you predicted {guess['steps_logged']}: every logged step ends "
-        "in an all-reduce (the global loss), so no rank can log a step that the other did not",
+        f"rank 0 logged {logged} steps, you predicted {guess['steps_logged']}: every logged step "
+        "ends in an all-reduce (the global loss), so no rank can log a step that the other did not",
     )
     err = Path(failed.log_path).read_text().strip().splitlines()[-1]
     passed(
         ex,
-        f"rank {failed.rank} failed; rank 0 logged {logged} steps, then failed in its next collective "
-        f"(gloo) or was stopped (NCCL) because of it; rank"
-        f"{failed.rank}.err ends with '{err}'",
+        f"rank {failed.rank} failed; rank 0 logged {logged} steps, then failed in its next "
+        f"collective (gloo) or was stopped (NCCL) because of it; rank{failed.rank}.err ends with "
+        f"'{err}'",
     )
 
 
-def _reference_indices(
-    n: int, world_size: int, epochs: int, seed: int = 0
-) -> list[list[list[int]]]:
-    """``[rank][epoch]`` → the indices DistributedSampler(shuffle=True, seed) deals that rank."""
+def _reference_indices(n: int, world_size: int, epochs: int, seed: int = 0) -> list:
+    """``[rank][epoch]`` → the indices (a list of ints) that DistributedSampler(shuffle=True,
+    seed) deals that rank."""
     out = []
     for rank in range(world_size):
         sampler = DistributedSampler(
@@ -100,9 +100,10 @@ def _reference_indices(
 
 
 def sampler_shares(path: str = "ex02_sampler.py", epochs: int = 2) -> None:
-    """02.2: ``draw_indices(cfg)`` in ``path`` returns, in each rank, a list with one list of sample
-    indices per epoch (epochs 0 and 1) from this rank's DistributedSampler over the digits training
-    set. Runs on 2 ranks; compared with DistributedSampler(shuffle=True, seed=0) built here."""
+    """02.2: ``draw_indices(cfg)`` in ``path`` returns, in each rank, a list with one list of
+    sample indices per epoch (epochs 0 and 1) from this rank's DistributedSampler over the digits
+    training set. Runs on 2 ranks; compared with DistributedSampler(shuffle=True, seed=0) built
+    here."""
     ex = "02.2 the sampler's shares"
     n = len(data.load_digits()[0])
     values = run_file(ex, path, "draw_indices", 2, timeout_s=20).values
@@ -159,10 +160,11 @@ def sampler_shares(path: str = "ex02_sampler.py", epochs: int = 2) -> None:
 
 
 def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
-    """02.3: predictions for DDP on ``nprocs`` ranks with ``batch_size`` per rank over the whole first
-    epoch of the digits: ``"samples_per_rank"``, ``"steps"`` (batches per rank), ``"last_batch"``
-    (samples in each rank's last batch), and ``"equal"`` (bool: DDP's parameters equal one process
-    trained on the combined batches, largest difference < 1e-5; < 1e-4 with GPU ranks).
+    """02.3: predictions for DDP on ``nprocs`` ranks with ``batch_size`` per rank over the whole
+    first epoch of the digits: ``"samples_per_rank"``, ``"steps"`` (batches per rank),
+    ``"last_batch"`` (samples in each rank's last batch), and ``"equal"`` (bool: DDP's parameters
+    equal one process trained on the combined batches, largest difference < 1e-5; < 1e-4 with GPU
+    ranks).
 
     Launches ``ddp.worker`` for that epoch (full float32: ``tf32=False``) and trains the reference
     here with ``ddp.combined_batch_reference``.
@@ -177,8 +179,8 @@ def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
     require(
         guess["samples_per_rank"] == per_rank,
         ex,
-        f'predicted["samples_per_rank"] = {guess["samples_per_rank"]}: the sampler pads {len(train_set)} '
-        f"samples up to a multiple of {nprocs} ranks, then deals them out",
+        f'predicted["samples_per_rank"] = {guess["samples_per_rank"]}: the sampler pads '
+        f"{len(train_set)} samples up to a multiple of {nprocs} ranks, then deals them out",
     )
     require(
         guess["steps"] == steps,
@@ -204,16 +206,15 @@ def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
     )
     run_ranks(ex, ddp.worker, cfg, nprocs, name="ex02_last_batch")
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
-    diff = ddp.max_param_diff(ddp.combined_batch_reference(cfg, nprocs), state)
-    gpus = (
-        env.resolve_backend("auto", nprocs) == "nccl"
-    )  # GPU float32 vs the CPU reference: more rounding
-    equal = diff < (1e-4 if gpus else 1e-5)
+    diff = max_abs_diff(ddp.combined_batch_reference(cfg, nprocs).state_dict(), state)
+    gpus = env.resolve_backend("auto", nprocs) == "nccl"
+    equal = diff < (1e-4 if gpus else 1e-5)  # GPU float32 vs the CPU reference: more rounding
     require(
         guess["equal"] == equal,
         ex,
-        f'predicted["equal"] = {guess["equal"]}, but DDP {"equals" if equal else "differs from"} one '
-        "process on the combined batches: at the last step, does every rank's batch have the same size?",
+        f'predicted["equal"] = {guess["equal"]}, but DDP {"equals" if equal else "differs from"} '
+        "one process on the combined batches: at the last step, does every rank's batch have the "
+        "same size?",
     )
     passed(
         ex,
@@ -242,28 +243,26 @@ CASES = (  # (base_lr, base_batch, batch_size, world_size, warmup_steps)
 
 
 def linear_scaling(lr_at: Callable) -> None:
-    """02.4: ``lr_at(step, *, base_lr, base_batch, batch_size, world_size, warmup_steps) -> float`` is
-    the learning rate at optimizer ``step`` (0, 1, …) under the linear scaling rule with a linear
-    warm-up from ``base_lr``. Compared with the rule on a few configurations and steps."""
+    """02.4: ``lr_at(step, *, base_lr, base_batch, batch_size, world_size, warmup_steps) ->
+    float`` is the learning rate at optimizer ``step`` (0, 1, …) under the linear scaling rule with
+    a linear warm-up from ``base_lr``. Compared with the rule on a few configurations and steps."""
     ex = "02.4 linear scaling rule"
     cases = [
         dict(zip(("base_lr", "base_batch", "batch_size", "world_size", "warmup_steps"), c))
         for c in CASES
     ]
     for kw in cases:  # first the rate after warm-up, then the warm-up itself
-        base_lr, base_batch, warmup, where = (
-            kw["base_lr"],
-            kw["base_batch"],
-            kw["warmup_steps"],
-            _shown(kw),
-        )
-        target, effective = _reference_lr(warmup, **kw), kw["batch_size"] * kw["world_size"]
+        base_lr, base_batch, warmup = kw["base_lr"], kw["base_batch"], kw["warmup_steps"]
+        where = _shown(kw)
+        target = _reference_lr(warmup, **kw)
+        effective = kw["batch_size"] * kw["world_size"]
         got = attempt(ex, lr_at, warmup + 1, **kw)
         require(
             not close(got, base_lr * kw["world_size"]) or close(target, got),
             ex,
-            f"after warm-up {where} is {got:g}: you scaled by the number of ranks only; the effective "
-            f"batch is batch_size × world_size = {effective}, {effective / base_batch:g}× base_batch",
+            f"after warm-up {where} is {got:g}: you scaled by the number of ranks only; the "
+            f"effective batch is batch_size × world_size = {effective}, "
+            f"{effective / base_batch:g}× base_batch",
         )
         require(
             close(got, target),
@@ -283,8 +282,8 @@ def linear_scaling(lr_at: Callable) -> None:
             require(
                 close(got_mid, _reference_lr(warmup // 2, **kw)),
                 ex,
-                f"{where} at step {warmup // 2} is {got_mid:g}: halfway through the warm-up the rate is "
-                f"halfway from base_lr to the scaled rate (a straight line)",
+                f"{where} at step {warmup // 2} is {got_mid:g}: halfway through the warm-up the "
+                "rate is halfway from base_lr to the scaled rate (a straight line)",
             )
     example = _reference_lr(10, *CASES[0])
     passed(

@@ -2,7 +2,7 @@
 all-reduces for a tiny ``bucket_cap_mb``, reached as ``ex.ch09.buckets``.
 
 The prediction is compared with step 2 of a real 2-rank DDP run (chapter 03b's counting hook,
-:func:`mgtutorial.ddp.internals.hooks_worker`) and with
+:func:`mgtutorial.ddp.overlap.hooks_worker`) and with
 :func:`mgtutorial.perf.costmodel.bucket_layout`.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 
 from mgtutorial.common import models
-from mgtutorial.ddp import internals as ddp_internals
+from mgtutorial.ddp import overlap
 from mgtutorial.exercises._common import answered, passed, require, run_ranks
 from mgtutorial.perf import costmodel
 from mgtutorial.runtime import runlog
@@ -24,10 +24,10 @@ def _ddp_buckets() -> tuple[list[int], list[int]]:
     """Bytes per bucket of steps 1 and 2 of a 2-rank DDP run of the chapter's CNN with
     ``bucket_cap_mb=CAP_MB`` (a counting communication hook, chapter 03b); DDP rebuilds its
     buckets after step 1."""
-    cfg = ddp_internals.HooksConfig(
+    cfg = overlap.HooksConfig(
         bucket_cap_mb=CAP_MB, max_steps=2, epochs=1, dataset="digits", evaluate=False, batch_size=8
     )
-    result = run_ranks("09.3 buckets", ddp_internals.hooks_worker, cfg, 2, name="buckets")
+    result = run_ranks("09.3 buckets", overlap.hooks_worker, cfg, 2, name="buckets")
     steps = [r for r in runlog.of_kind(runlog.read_run(result.run_dir), "sync") if r["rank"] == 0]
     return tuple([4 * n for n in steps[i]["bucket_sizes"]] for i in (0, -1))  # float32: 4 bytes
 

@@ -1,0 +1,133 @@
+"""What DDP adds to DDP by hand: buckets, their all-reduces overlapping ``backward()``,
+communication hooks, and gradient accumulation with ``no_sync``.
+
+Taught in notebooks/03b_ddp_internals.ipynb (sections 1, 2, 3 and 5); notebook 03a runs
+:func:`hooks_worker` as its DDP. Follows https://pytorch.org/docs/stable/notes/ddp.html (buckets,
+overlap, ``no_sync``) and https://pytorch.org/docs/stable/ddp_comm_hooks.html.
+
+:func:`hooks_worker` is a small diff of :func:`mgtutorial.ddp.worker`: it reads its rank from the
+environment, so :func:`mgtutorial.launch` (the notebook) and ``torchrun`` run it alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from mgtutorial import ddp
+from mgtutorial.runtime import env
+
+
+@dataclass(kw_only=True)
+class HooksConfig(ddp.DDPConfig):
+    """:class:`~mgtutorial.ddp.DDPConfig` plus the DDP knobs this section turns."""
+
+    bucket_cap_mb: float | None = None
+    """DDP's bucket size in MiB (None: DDP's default, 25 MiB, the first bucket capped at
+    ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` = 1 MiB)."""
+    find_unused_parameters: bool = False
+    """Passed to DDP; with it (and no ``static_graph``) DDP never rebuilds its buckets."""
+    static_graph: bool = False
+    """Passed to DDP: the graph is the same every step (buckets rebuilt once, before step 3)."""
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step; all but the last run under ``no_sync`` (no
+    communication)."""
+
+    def validate(self, world_size: int) -> None:
+        """:meth:`DDPConfig.validate` plus ``accumulation_steps`` ≥ 1. Raises ValueError."""
+        super().validate(world_size)
+        if self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={self.accumulation_steps}: need at least 1.")
+
+
+def counting_allreduce_hook(state, bucket):
+    """A DDP communication hook: records the bucket, then does DDP's usual all-reduce (average),
+    and records when the all-reduce's future completes.
+
+    ``(state: dict, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]``; left unannotated
+    because DDP checks the annotation's *object*, which ``from __future__ import annotations`` turns
+    into a string.
+
+    ``state["buckets"]`` collects one dict per call: ``index``, ``elements``, ``launched`` and
+    ``done`` (unix s; ``done`` is set by the future's callback: on gloo when the data has been
+    exchanged, on NCCL when the all-reduce is queued on its CUDA stream).
+    """
+    rec = {"index": bucket.index(), "elements": bucket.buffer().numel(), "launched": time.time()}
+    state["buckets"].append(rec)
+
+    def done(fut):
+        rec["done"] = time.time()
+        return fut.value()
+
+    return default_hooks.allreduce_hook(None, bucket).then(done)
+
+
+class AccumulationTrainer(ddp.Trainer):
+    """:class:`~mgtutorial.ddp.Trainer` whose step accumulates gradients over
+    ``accumulation_steps`` micro-batches of ``cfg.batch_size`` (its loader deals ``batch_size ×
+    accumulation_steps`` samples per step), all but the last under ``model.no_sync()``; each
+    micro-batch's loss is divided by their number, so the gradient is the mean over all of them.
+    ``max_steps`` counts optimizer steps, as everywhere.
+
+    Logs a ``kind="sync"`` record per step: ``allreduce_calls``, ``bucket_sizes`` (elements),
+    ``bucket_launched`` and ``bucket_done`` (unix s, per bucket), ``backward_start`` and
+    ``backward_end`` (unix s, around the last micro-batch's ``backward()``).
+    """
+
+    def __init__(
+        self, model, train_set, test_set, optimizer, ctx: env.DistContext, cfg: HooksConfig
+    ):
+        super().__init__(model, train_set, test_set, optimizer, ctx, cfg)
+        big = dataclasses.replace(cfg, batch_size=cfg.batch_size * cfg.accumulation_steps)
+        self.loader = ddp.rank_loader(train_set, big, ctx.rank, ctx.world_size)
+        self.buckets = {"buckets": []}
+        model.register_comm_hook(self.buckets, counting_allreduce_hook)
+
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.buckets["buckets"].clear()
+        k, total = self.cfg.accumulation_steps, 0.0
+        for micro, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            with self.model.no_sync() if micro < k - 1 else contextlib.nullcontext():
+                loss = self.loss_fn(self.model(xm), ym) / k
+                t0 = time.time()
+                loss.backward()  # DDP all-reduces only in the last micro-batch's backward
+                t1 = time.time()
+            total += loss.item()
+        self.optimizer.step()
+        b = self.buckets["buckets"]
+        self.log.write(
+            kind="sync",
+            step=self.step + 1,
+            allreduce_calls=len(b),
+            bucket_sizes=[s["elements"] for s in b],
+            bucket_launched=[s["launched"] for s in b],
+            bucket_done=[s.get("done") for s in b],
+            backward_start=t0,
+            backward_end=t1,
+        )
+        return total
+
+
+def hooks_worker(cfg: HooksConfig) -> dict:
+    """DDP with ``bucket_cap_mb`` and :func:`counting_allreduce_hook`, trained by
+    :class:`AccumulationTrainer`. Returns the Trainer's summary.
+
+    Raises:
+        ValueError: ``accumulation_steps`` < 1 (``cfg.validate``, called before any rank starts).
+    """
+    with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
+        wrap = functools.partial(
+            ddp.apply_ddp,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            static_graph=cfg.static_graph,
+            find_unused_parameters=cfg.find_unused_parameters,
+        )
+        model, train_set, test_set, optimizer = ddp.build(cfg, ctx, wrap=wrap)
+        return AccumulationTrainer(model, train_set, test_set, optimizer, ctx, cfg).train()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import platform
 import random
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -63,7 +62,8 @@ def local_world_size() -> int:
 
 
 def restart_count() -> int:
-    """How many times torchrun restarted this job (``TORCHELASTIC_RESTART_COUNT``; 0: first attempt)."""
+    """How many times torchrun restarted this job (``TORCHELASTIC_RESTART_COUNT``; 0: the first
+    attempt)."""
     return _int_env("TORCHELASTIC_RESTART_COUNT", 0)
 
 
@@ -120,7 +120,8 @@ def device_for(backend: str, local_rank_: int | None = None) -> torch.device:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, torch (CPU and every GPU) with ``seed``. Offset it by rank yourself where data must differ."""
+    """Seed Python and torch (CPU and every GPU) with ``seed``. Offset it by rank yourself where
+    the data must differ."""
     random.seed(seed)
     torch.manual_seed(seed)
 
@@ -251,37 +252,9 @@ def global_mean(value: float | torch.Tensor, ctx: DistContext) -> float:
     return float(t.item())
 
 
-def describe(nprocs: int | None = None) -> dict:
-    """A summary of this machine and the choices the course makes on it.
-
-    Returns a dict with torch/torchvision versions, CPU count, GPUs (names), the backend "auto"
-    picks, the number of ranks the chapters launch by default, the device of rank 0 and why.
-    """
-    import torchvision
-
-    gpus = gpu_count()
-    ranks = nprocs or default_nprocs()
-    backend = resolve_backend("auto", ranks)
-    why = (
-        f"{gpus} CUDA GPU(s) ≥ {ranks} ranks → one GPU per rank with NCCL"
-        if backend == "nccl"
-        else ("no CUDA GPU" if gpus == 0 else f"{gpus} GPU(s) < {ranks} ranks") + " → gloo on CPU"
-    )
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
-        "cpus": os.cpu_count(),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],
-        "default_nprocs": ranks,
-        "backend": backend,
-        "rank0_device": str(device_for(backend, 0)),
-        "why": why,
-    }
-
-
 def default_nprocs() -> int:
-    """Ranks the chapters launch by default: one per GPU when there are at least 2, else 2 CPU ranks."""
+    """Ranks the chapters launch by default: one per GPU when there are at least 2, else 2 CPU
+    ranks."""
     return gpu_count() if gpu_count() >= 2 else 2
 
 
@@ -305,5 +278,6 @@ VARIABLES = (
 
 
 def variables() -> dict[str, str | None]:
-    """The environment variables that shape a distributed run, as this process sees them (None: unset)."""
+    """The environment variables that shape a distributed run, as this process sees them (None:
+    unset)."""
     return {name: os.environ.get(name) for name in VARIABLES}

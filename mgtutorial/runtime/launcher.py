@@ -1,8 +1,8 @@
 """``launch(worker, cfg, nprocs)``: start ranks from a notebook without blocking it; the one way
 every chapter starts processes.
 
-Taught in notebooks/00_setup.ipynb; used by every chapter.
-Built on TorchElastic's process machinery (``torch.distributed.elastic.multiprocessing.start_processes``,
+Taught in notebooks/00_setup.ipynb; used by every chapter. Built on TorchElastic's process
+machinery (``torch.distributed.elastic.multiprocessing.start_processes``,
 https://pytorch.org/docs/stable/elastic/multiprocessing.html), the same code ``torchrun`` uses,
 with the *forkserver* start method (``multiprocessing.set_forkserver_preload``,
 https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods): the server
@@ -14,7 +14,8 @@ MASTER_ADDR=127.0.0.1, MASTER_PORT), so a worker runs unchanged under ``torchrun
 Checks before any process starts: ``nprocs`` ≥ 1, backend vs hardware, the worker and its config
 importable by a child (not defined in a notebook or ``__main__``), the config's own ``validate``, a
 free port. The running job is a :class:`~mgtutorial.runtime.run.Run` (its own module, with
-:class:`~mgtutorial.runtime.run.RunResult` and :class:`~mgtutorial.runtime.run.WorkerFailed`, re-exported here).
+:class:`~mgtutorial.runtime.run.RunResult`); a failure raises
+:class:`~mgtutorial.runtime.failure.WorkerFailed`.
 """
 
 from __future__ import annotations
@@ -28,13 +29,11 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from mgtutorial.runtime import _rank, env, procs, runlog
 from mgtutorial.runtime._rank import import_ref
-
-if TYPE_CHECKING:
-    from mgtutorial.runtime.run import Run
+from mgtutorial.runtime.run import Run
 
 START_METHOD_ENV = "MGTUTORIAL_START_METHOD"
 
@@ -47,10 +46,10 @@ def _ref_of(obj, what: str) -> str:
     module = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None)
     hint = (
-        f"Move {what} {qualname or obj!r} into a .py file (e.g. a module of mgtutorial/ or your own "
-        "my_worker.py next to the notebook) and import it from there: worker processes (forked from a clean fork "
-        "server, or spawned) can only run code they can import; a function defined in a notebook cell "
-        "or in __main__ lives in the parent's memory only."
+        f"Move {what} {qualname or obj!r} into a .py file (e.g. a module of mgtutorial/ or your "
+        "own my_worker.py next to the notebook) and import it from there: worker processes "
+        "(forked from a clean fork server, or spawned) can only run code they can import; a "
+        "function defined in a notebook cell or in __main__ lives in the parent's memory only."
     )
     if module in (None, "__main__", "builtins") or qualname is None or "<locals>" in qualname:
         raise WorkerNotImportable(f"{what} {qualname or obj!r} is defined in {module!r}. {hint}")
@@ -66,12 +65,10 @@ def _ref_of(obj, what: str) -> str:
 
 
 def _refuse_in_spawned_child() -> None:
-    import multiprocessing
-
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise RuntimeError(
-            "launch() was called while a spawned rank was starting up: the rank re-imported the main "
-            "script and reached the launching code again. Put that code under "
+            "launch() was called while a spawned rank was starting up: the rank re-imported the "
+            "main script and reached the launching code again. Put that code under "
             '`if __name__ == "__main__":` in your script.'
         )
 
@@ -87,7 +84,8 @@ def check_config(worker: Callable, cfg, nprocs: int, backend: str) -> tuple[str,
     """Everything :func:`launch` checks before starting a process; returns (worker ref, backend).
 
     Raises:
-        ValueError: ``nprocs`` < 1, or backend vs hardware (see :func:`mgtutorial.runtime.env.resolve_backend`).
+        ValueError: ``nprocs`` < 1, or backend vs hardware (see
+            :func:`mgtutorial.runtime.env.resolve_backend`).
         WorkerNotImportable: worker or config class not importable by a child.
         TypeError: config not a dataclass instance or not JSON-serialisable.
         ValueError: whatever ``cfg.validate(nprocs)`` raises, if the config defines it.
@@ -99,7 +97,8 @@ def check_config(worker: Callable, cfg, nprocs: int, backend: str) -> tuple[str,
     if main_file and not os.path.exists(main_file):
         raise RuntimeError(
             f"spawned ranks re-run the main script, and {main_file!r} is not a file (a script fed "
-            "on standard input?). Save it as a .py file and run that, or use python -c / a notebook."
+            "on standard input?). Save it as a .py file and run that, or use python -c or a "
+            "notebook."
         )
     ref = _ref_of(worker, "worker")
     if cfg is not None:
@@ -136,8 +135,8 @@ def launch(
         nprocs: number of ranks (world size), ≥ 1.
         backend: "auto" | "gloo" | "nccl"; default ``cfg.backend`` if it has one, else "auto".
             Checked against the hardware here; the ranks get the resolved one
-            (``MGTUTORIAL_BACKEND``, which :func:`mgtutorial.runtime.env.distributed` reads for "auto"),
-            and so does ``Run.backend``.
+            (``MGTUTORIAL_BACKEND``, which :func:`mgtutorial.runtime.env.distributed` reads for
+            "auto"), and so does ``Run.backend``.
         runs_dir: parent folder of the run directory ``<runs_dir>/<name>-<time>-<id>``.
         name: prefix of the run directory (default: the worker's module name).
         master_port: the job's TCPStore port on 127.0.0.1 (default: one the OS picks).
@@ -148,8 +147,8 @@ def launch(
             (a fresh interpreter per rank); default ``$MGTUTORIAL_START_METHOD`` if set.
 
     Raises:
-        ValueError, WorkerNotImportable, TypeError: see :func:`check_config`; a taken ``master_port``;
-            an unknown ``start_method``.
+        ValueError, WorkerNotImportable, TypeError: see :func:`check_config`; a taken
+            ``master_port``; an unknown ``start_method``.
     """
     if backend and getattr(cfg, "backend", backend) != backend:
         raise ValueError(
@@ -170,7 +169,8 @@ def launch(
         **os.environ,  # the parent's environment *now*, not when the fork server started
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(listener.getsockname()[1]),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the store is ours (see Run): every rank is a client
+        # the store is ours (see Run): every rank is a client
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": "0",
         "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs),
@@ -185,8 +185,6 @@ def launch(
         base["GLOO_SOCKET_IFNAME"] = procs.loopback_ifname()
     base.update(extra_env or {})
     envs = {r: {**base, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nprocs)}
-    from mgtutorial.runtime.run import Run
-
     return Run(run_dir, ref, cfg, envs, chosen, start_method=method, listener=listener)
 
 

@@ -77,7 +77,7 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_backend(backend: str = "auto", nprocs_per_node: int | None = None) -> str:
+def resolve_backend(backend: BackendChoice = "auto", nprocs_per_node: int | None = None) -> Backend:
     """Turn ``"auto" | "gloo" | "nccl"`` into the backend to use, or raise a clear error.
 
     "auto" is NCCL when CUDA is available with at least one GPU per local rank, else gloo.
@@ -109,7 +109,7 @@ def resolve_backend(backend: str = "auto", nprocs_per_node: int | None = None) -
     return backend
 
 
-def device_for(backend: str, local_rank_: int | None = None) -> torch.device:
+def device_for(backend: Backend, local_rank_: int | None = None) -> torch.device:
     """The device a rank computes on: ``cuda:LOCAL_RANK`` under NCCL, else CPU.
 
     The index is the *local* rank: on the second node of a 2×4 GPU job, global rank 5 uses cuda:1.
@@ -177,7 +177,9 @@ class DistContext:
 
 
 @contextlib.contextmanager
-def distributed(backend: str = "auto", timeout_s: float = 120.0, num_threads: int | None = None):
+def distributed(
+    backend: BackendChoice = "auto", timeout_s: float = 120.0, num_threads: int | None = None
+):
     """Join the process group for the duration of the block; leave it cleanly either way.
 
     Inside a rank (``RANK`` and ``MASTER_ADDR`` set): ``init_process_group`` with the resolved

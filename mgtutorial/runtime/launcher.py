@@ -29,11 +29,11 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, get_args
 
 from mgtutorial.runtime import _rank, env, procs, runlog
 from mgtutorial.runtime._rank import import_ref
-from mgtutorial.runtime.run import Run
+from mgtutorial.runtime.run import Run, StartMethod
 
 START_METHOD_ENV = "MGTUTORIAL_START_METHOD"
 
@@ -80,7 +80,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def check_config(worker: Callable, cfg, nprocs: int, backend: str) -> tuple[str, str]:
+def check_config(
+    worker: Callable, cfg, nprocs: int, backend: env.BackendChoice
+) -> tuple[str, env.Backend]:
     """Everything :func:`launch` checks before starting a process; returns (worker ref, backend).
 
     Raises:
@@ -119,13 +121,13 @@ def launch(
     cfg=None,
     nprocs: int = 2,
     *,
-    backend: str | None = None,
+    backend: env.BackendChoice | None = None,
     runs_dir: str | os.PathLike = "runs",
     name: str | None = None,
     master_port: int | None = None,
     threads_per_rank: int | None = None,
     extra_env: dict[str, str] | None = None,
-    start_method: str | None = None,
+    start_method: StartMethod | None = None,
 ) -> Run:
     """Start ``nprocs`` ranks running ``worker(cfg)``; return at once with a :class:`Run` handle.
 
@@ -202,13 +204,13 @@ FORKSERVER_PRELOAD = (
 )
 
 
-def _start_method(requested: str | None) -> str:
+def _start_method(requested: StartMethod | None) -> StartMethod:
     method = (
         requested
         or os.environ.get(START_METHOD_ENV)
         or ("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
     )
-    if method not in ("forkserver", "spawn"):
+    if method not in get_args(StartMethod):
         raise ValueError(f"start_method={method!r} is not 'forkserver' or 'spawn'.")
     if method == "forkserver":
         # takes effect when the server starts (the first forkserver launch of this process)

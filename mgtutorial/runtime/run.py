@@ -25,15 +25,21 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import start_processes
 
 from mgtutorial.runtime import procs, runlog
 from mgtutorial.runtime._rank import run_worker
+from mgtutorial.runtime.env import Backend
 from mgtutorial.runtime.failure import WorkerFailed, root_cause
 from mgtutorial.runtime.torchelastic import RankFiles, silence_loggers
+
+StartMethod = Literal["forkserver", "spawn"]
+"""How ranks start: forked from a server that has imported torch, or each a fresh interpreter."""
+Status = Literal["running", "succeeded", "failed", "stopped"]
+"""Where a run stands (``Run.status``)."""
 
 _ACTIVE: weakref.WeakSet[Run] = weakref.WeakSet()
 _HANDLED_SIGNALS = tuple(
@@ -77,14 +83,15 @@ class Run:
         ref: str,
         cfg,
         envs: dict,
-        backend: str,
+        backend: Backend,
         *,
-        start_method: str,
+        start_method: StartMethod,
         listener: socket.socket,
     ):
         self.run_dir, self.nprocs, self.backend = run_dir, len(envs), backend
         self.start_method, self.master_port = start_method, listener.getsockname()[1]
-        self.started, self.status = time.time(), "running"
+        self.started = time.time()
+        self.status: Status = "running"
         self._result: RunResult | None = None
         self._error: WorkerFailed | None = None
         # the store takes the listening socket over (and closes it when it is deleted)

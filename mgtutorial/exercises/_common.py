@@ -11,7 +11,7 @@ Conventions (tested in tests/test_exercises.py):
   it *by path* inside each rank (:func:`import_file`), so nothing depends on ``sys.path``.
 
 Taught in: every chapter's "Exercises" section (notebooks/*.ipynb); the editions are made by
-:mod:`mgtutorial.exercises.edition`.
+:mod:`mgtutorial.workshop.edition`.
 """
 
 from __future__ import annotations

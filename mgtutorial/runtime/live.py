@@ -226,9 +226,8 @@ def follow_terminal(run, png: bool = True):
     from tqdm.auto import tqdm
 
     reader = runlog.RunReader(run.run_dir)
-    bar = tqdm(
-        desc=run.run_dir.name, unit="step", delay=2.0
-    )  # shown once the ranks have started (and said how many steps)
+    # shown once the ranks have started (and said how many steps)
+    bar = tqdm(desc=run.run_dir.name, unit="step", delay=2.0)
     try:
         while True:
             try:

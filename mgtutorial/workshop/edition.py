@@ -129,9 +129,7 @@ def make_student(src: str | Path = "notebooks", out: str | Path = "student") -> 
         out.rename(kept)
         print(f"the previous edition, with any work done in it, was moved to {kept.name}/")
     out.mkdir(parents=True)
-    (out / MARKER).write_text(
-        "written by python -m mgtutorial.workshop.edition; safe to replace\n"
-    )
+    (out / MARKER).write_text("written by python -m mgtutorial.workshop.edition; safe to replace\n")
     written = []
     for rel, content in edition.items():
         target = out / rel

@@ -2,9 +2,9 @@
 
 The layout (README's "Layout" section has the whole tree):
 
-- ``runtime/``: the engine, which knows no lesson: rank and device (``env``), starting ranks
-  (``launcher``, ``run``), the records ranks write (``runlog``), live plots (``live``), finding a job's
-  processes (``procs``), ``%%ranks`` (``ranks_magic``).
+- ``runtime/``: the engine, which knows no lesson: rank and device (``env``, ``machine``),
+  starting ranks (``launcher``, ``run``, ``failure``), the records ranks write (``runlog``), live
+  plots (``live``), finding a job's processes (``procs``).
 - ``common/``: what every chapter shares: configuration checks, data, models, checkpoints,
   comparisons with a single-process reference.
 - one subpackage per strategy: ``ddp`` (chapters 01–03b), ``pipeline`` (04), ``scale`` (05a–05b),
@@ -33,7 +33,7 @@ _LAZY = {
     "cnn_flatten_size": "common.models",
     "DDPConfig": "ddp.trainer",
     "Trainer": "ddp.trainer",
-    "describe": "runtime.env",
+    "describe": "runtime.machine",
     "resolve_backend": "runtime.env",
     "WorkerNotImportable": "runtime.launcher",
     "launch": "runtime.launcher",
@@ -46,7 +46,7 @@ _LAZY = {
     "watch": "runtime.live",
     "Run": "runtime.run",
     "RunResult": "runtime.run",
-    "WorkerFailed": "runtime.run",
+    "WorkerFailed": "runtime.failure",
 }
 
 __all__ = sorted(_LAZY)

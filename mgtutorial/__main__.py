@@ -9,14 +9,16 @@ Commands::
     python -m mgtutorial describe              # hardware and the backend the course picks
     python -m mgtutorial check                 # the laptop check for a workshop (WORKSHOP.md)
 
-``ddp`` and ``pipeline`` started from a plain shell launches its own ranks (:func:`mgtutorial.launch`), shows
-progress and writes ``<run dir>/loss.png``. Under ``torchrun`` (``RANK`` is set) it *is* one rank
-and runs the worker directly, without launching again.
+``ddp`` and ``pipeline`` started from a plain shell launch their own ranks
+(:func:`mgtutorial.launch`), show progress and write ``<run dir>/loss.png``. Under ``torchrun``
+(``RANK`` is set) each process *is* one rank and runs the worker directly, without launching again.
 
 The options of ``ddp``, ``pipeline``, ``hello`` and ``check`` are generated from a config dataclass
 (:class:`~mgtutorial.ddp.DDPConfig`, :class:`~mgtutorial.pipeline.schedules.PipelineConfig`,
-:class:`~mgtutorial.hello.HelloConfig`, :class:`~mgtutorial.workshop.laptop_check.CheckConfig`): one ``--field-name`` per field, with its default and its
-docstring as help, so ``--help`` and the notebooks' configs never disagree.
+:class:`~mgtutorial.hello.HelloConfig`, :class:`~mgtutorial.workshop.laptop_check.CheckConfig`)
+by :mod:`mgtutorial.cli_options`: one ``--field-name`` per field, with its default, its docstring
+as help and, for a ``Literal`` field, its allowed values, so ``--help`` and the notebooks' configs
+never disagree.
 
 ``check`` imports neither torch nor psutil before its checks do: on a broken install it still prints
 its table, with a FAIL row and the fix for each missing package. The other commands import torch.
@@ -25,90 +27,18 @@ its table, with a FAIL row and the fix for each missing package. The other comma
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
-import inspect
 import os
-import re
 import sys
-import textwrap
 import traceback
-import types
-import typing
 from pathlib import Path
 
+from mgtutorial.cli_options import add_config_options, config_from
 from mgtutorial.workshop import laptop_check
 
-# Options whose names differ from their config field.
-_ALIASES = {"timeout_s": ["--timeout"], "n_microbatches": ["--microbatches"]}
 
-
-def field_docs(cls) -> dict[str, str]:
-    """Each dataclass field's docstring (the string literal under it), base classes first."""
-    docs: dict[str, str] = {}
-    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
-        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
-        for node, after in zip(body, body[1:]):
-            if (
-                isinstance(node, ast.AnnAssign)
-                and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)
-            ):
-                docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
-
-
-def add_config_options(p: argparse.ArgumentParser, cls, choices: dict | None = None) -> None:
-    """One option per field of the config dataclass ``cls``: ``--field-name`` with the field's type,
-    default and docstring (plus "(default: …)" unless the docstring says it); a bool that defaults to
-    True becomes ``--no-field-name``; ``choices`` maps field names to their allowed values."""
-    hints, docs = typing.get_type_hints(cls), field_docs(cls)
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        doc = (
-            re.sub(r":\w+:`~?([^`]+)`", r"\1", docs.get(f.name, ""))
-            .replace("``", "")
-            .replace("%", "%%")
-        )
-        flag = "--" + f.name.replace("_", "-")
-        if kind is bool:
-            names = [f"--no-{flag[2:]}"] if default else [flag]
-            p.add_argument(
-                *names,
-                dest=f.name,
-                action="store_false" if default else "store_true",
-                help=f"{doc} On by default; this switch turns it off." if default else doc,
-            )
-            continue
-        args = typing.get_args(kind)
-        if typing.get_origin(kind) is typing.Literal:  # a choice: the type of its values
-            kind = type(args[0])
-        if typing.get_origin(kind) in (typing.Union, types.UnionType):
-            kind = next(a for a in args if a is not type(None))
-        literal = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
-        if literal:  # a choice: the values' type, and the values as argparse's choices
-            kind = type(literal[0])
-        extra = (
-            {"nargs": "+", "type": typing.get_args(kind)[0]}
-            if typing.get_origin(kind) is list
-            else {"type": kind}
-        )
-        p.add_argument(
-            flag,
-            *_ALIASES.get(f.name, []),
-            dest=f.name,
-            default=default,
-            choices=(choices or {}).get(f.name, literal),
-            help=doc if "(default:" in doc else f"{doc} (default: %(default)s)",
-            **extra,
-        )
-
-
-def _config_parser(sub, name: str, cls, help: str, func, choices: dict) -> None:
+def _config_parser(sub, name: str, cls, help: str, func) -> None:
     p = sub.add_parser(name, help=help, description=help)
-    add_config_options(p, cls, choices)
+    add_config_options(p, cls)
     p.add_argument(
         "--nproc",
         type=int,
@@ -120,12 +50,6 @@ def _config_parser(sub, name: str, cls, help: str, func, choices: dict) -> None:
     p.set_defaults(func=func, config_class=cls)
 
 
-def _config(args):
-    return args.config_class(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(args.config_class)}
-    )
-
-
 def _run_under_torchrun(args, worker, cfg, name: str):
     from mgtutorial.runtime import env, live, runlog
 
@@ -133,25 +57,15 @@ def _run_under_torchrun(args, worker, cfg, name: str):
     run_name = args.run_name or f"{name}-torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
     os.environ.setdefault(runlog.RUN_DIR_ENV, str(Path(args.runs_dir).resolve() / run_name))
     run_dir = runlog.run_dir()
-    if callable(
-        getattr(cfg, "validate", None)
-    ):  # before anything is written: a refused config leaves no folder
-        cfg.validate(env.world_size())
+    if callable(getattr(cfg, "validate", None)):
+        cfg.validate(env.world_size())  # before anything is written: a refused config leaves none
     run_dir.mkdir(parents=True, exist_ok=True)
     if env.rank() == 0:
-        runlog.write_config(
-            run_dir,
-            f"{worker.__module__}:{worker.__qualname__}",
-            env.world_size(),
-            cfg.backend,
-            cfg,
-        )
+        ref = f"{worker.__module__}:{worker.__qualname__}"
+        runlog.write_config(run_dir, ref, env.world_size(), cfg.backend, cfg)
     try:
         summary = worker(cfg)
-    except (
-        ValueError,
-        OSError,
-    ):  # a rank's error mid-run: its traceback too, not only _run's one line
+    except (ValueError, OSError):  # a rank's error mid-run: its traceback too, not only one line
         traceback.print_exc()
         raise
     if env.rank() == 0:
@@ -164,11 +78,8 @@ def _launch_locally(args, worker, cfg, name: str):
     from mgtutorial.runtime.launcher import launch
 
     nproc = env.default_nprocs() if args.nproc is None else args.nproc
-
     run = launch(worker, cfg, nproc, runs_dir=args.runs_dir, name=name)
-    print(
-        f"launched {nproc} rank(s) ({env.resolve_backend(cfg.backend, nproc)}); logs in {run.run_dir}"
-    )
+    print(f"launched {nproc} rank(s) ({run.backend}); logs in {run.run_dir}")
     result = live.follow_terminal(run)
     return run.run_dir, result.values[0], result
 
@@ -178,7 +89,7 @@ def _run(args, worker, cfg, name: str, report) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from mgtutorial.runtime import env
-    from mgtutorial.runtime.run import WorkerFailed
+    from mgtutorial.runtime.failure import WorkerFailed
 
     try:
         if env.is_distributed_env():
@@ -208,8 +119,9 @@ def _ddp_report(summary: dict) -> str:
 
 def _hello_report(summary: dict) -> str:
     return (
-        f"rank {summary['rank']} of {summary['world_size']} (node {summary['group_rank']}, local rank "
-        f"{summary['local_rank']}, {summary['device']}); sum of ranks {summary['rank_sum']}"
+        f"rank {summary['rank']} of {summary['world_size']} (node {summary['group_rank']}, "
+        f"local rank {summary['local_rank']}, {summary['device']}); "
+        f"sum of ranks {summary['rank_sum']}"
     )
 
 
@@ -239,7 +151,7 @@ def _run_data(args) -> int:
 
 
 def _check(p: argparse.ArgumentParser, args) -> int:
-    cfg = _config(args)
+    cfg = config_from(args)
     try:
         cfg.validate()
     except ValueError as exc:
@@ -269,49 +181,37 @@ def build_parser(check_only: bool = False) -> argparse.ArgumentParser:
 def _add_commands(sub) -> None:
     """Every command but ``check``; these import torch."""
     from mgtutorial import ddp
-    from mgtutorial.common import data
     from mgtutorial.hello import HelloConfig, hello
     from mgtutorial.pipeline import schedules as pipeline
-    from mgtutorial.runtime import env
     from mgtutorial.scale import elastic
 
-    choices = {
-        "dataset": data.DATASETS,
-        "backend": env.BACKENDS,
-        "schedule": pipeline.SCHEDULES,
-        "fail_how": ("raise", "sigkill"),
-    }
     _config_parser(
         sub,
         "ddp",
         ddp.DDPConfig,
         "DDP training of the article's CNN (chapter 02)",
-        lambda args: _run(args, ddp.worker, _config(args), "ddp", _ddp_report),
-        choices,
+        lambda args: _run(args, ddp.worker, config_from(args), "ddp", _ddp_report),
     )
     _config_parser(
         sub,
         "elastic",
         elastic.ElasticConfig,
         "DDP training with snapshots and an injected fault, restarted by torchrun (chapter 05b)",
-        lambda args: _run(args, elastic.elastic_worker, _config(args), "elastic", _ddp_report),
-        choices,
+        lambda args: _run(args, elastic.elastic_worker, config_from(args), "elastic", _ddp_report),
     )
     _config_parser(
         sub,
         "pipeline",
         pipeline.PipelineConfig,
         "pipeline-parallel training of the article's MLP, one stage per rank (chapter 04)",
-        lambda args: _run(args, pipeline.worker, _config(args), "pipeline", _pipeline_report),
-        choices,
+        lambda args: _run(args, pipeline.worker, config_from(args), "pipeline", _pipeline_report),
     )
     _config_parser(
         sub,
         "hello",
         HelloConfig,
         "each rank reports who it is and all-reduces its rank (chapters 00, 05)",
-        lambda args: _run(args, hello, _config(args), "hello", _hello_report),
-        choices,
+        lambda args: _run(args, hello, config_from(args), "hello", _hello_report),
     )
     p = sub.add_parser("data", help="fetch a dataset")
     p.add_argument("name", choices=["cifar10", "digits"])
@@ -331,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser(check_only=argv[:1] == ["check"])
     except ImportError as exc:  # torch or psutil missing or broken: say where the diagnosis is
         print(
-            f"error: {type(exc).__name__}: {exc}\n`python -m mgtutorial check` lists what is missing "
-            "or broken and the command that fixes it.",
+            f"error: {type(exc).__name__}: {exc}\n`python -m mgtutorial check` lists what is "
+            "missing or broken and the command that fixes it.",
             file=sys.stderr,
         )
         return 1
@@ -341,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _describe(args) -> int:
-    from mgtutorial.runtime import env
+    from mgtutorial.runtime import machine
 
-    for key, value in env.describe().items():
+    for key, value in machine.describe().items():
         print(f"{key:>15}: {value}")
     return 0
 

@@ -17,22 +17,25 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mgtutorial.common.config import Config
 from mgtutorial.runtime import env, runlog
 
 
 @dataclass(kw_only=True)
-class HelloConfig:
+class HelloConfig(Config):
     """Configuration of :func:`hello` (chapter 00's first multi-rank program)."""
 
-    backend: str = "auto"
-    """"auto" | "gloo" | "nccl"."""
+    backend: env.BackendChoice = "auto"
+    """"auto" (NCCL with a GPU per local rank, else gloo), "gloo" or "nccl"."""
 
 
 def hello(cfg: HelloConfig) -> dict:
-    """Each rank reports who it is and all-reduces its rank: the sum is 0 + 1 + … + (world size − 1).
+    """Each rank reports who it is and all-reduces its rank: the sum is 0 + 1 + … + (world size
+    − 1).
 
-    Logs one ``kind="hello"`` record and returns it (rank, local_rank, group_rank (node), world_size,
-    backend, device, host, pid, rank_sum, env = :func:`~mgtutorial.runtime.env.variables`).
+    Logs one ``kind="hello"`` record and returns it: rank, local_rank, group_rank (the node),
+    world_size, backend, device, host, pid, rank_sum and env
+    (:func:`~mgtutorial.runtime.env.variables`).
     """
     with env.distributed(cfg.backend) as ctx:
         t = torch.tensor([float(ctx.rank)], device=ctx.device)

@@ -18,12 +18,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 def main(epochs: int, batch_size: int, lr: float) -> None:
-    local_rank = int(
-        os.environ["LOCAL_RANK"]
-    )  # torchrun sets it, with RANK, WORLD_SIZE, MASTER_ADDR/PORT
-    cuda = torch.cuda.device_count() >= int(
-        os.environ["LOCAL_WORLD_SIZE"]
-    )  # a GPU for every rank here
+    local_rank = int(os.environ["LOCAL_RANK"])  # torchrun sets it, with RANK, WORLD_SIZE, …
+    cuda = torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])  # a GPU per rank
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

@@ -5,8 +5,8 @@
 
 Every notebook ``notebooks/NN_name.ipynb`` is read in course order; each Markdown line
 ``### Exercise NN.k — title (≈ M min)`` is one exercise (the format tests/test_notebook_hygiene.py
-enforces). The block between ``<!-- exercises:begin -->`` and ``<!-- exercises:end -->`` gets one row
-per exercise and a total per chapter; a chapter without exercises is listed as such.
+enforces). The block between ``<!-- exercises:begin -->`` and ``<!-- exercises:end -->`` gets one
+row per exercise and a total per chapter; a chapter without exercises is listed as such.
 
 The two workshop tracks are a rule, not a choice per row: the **3-hour** track is the first
 exercise of each chapter in :data:`THREE_HOUR`; the **full-day** track is the first
@@ -82,13 +82,15 @@ def read_notebook(path: Path) -> tuple[str, list[Exercise]]:
 
 
 def _minutes(exercises: list[Exercise]) -> str:
-    return f"{len(exercises)} exercise{'s' * (len(exercises) != 1)}, {sum(e.minutes for e in exercises)} min"
+    n, minutes = len(exercises), sum(e.minutes for e in exercises)
+    return f"{n} exercise{'s' * (n != 1)}, {minutes} min"
 
 
 def table(notebooks: Path) -> str:
     """The Markdown between the markers (without them) for every ``NN_*.ipynb`` in ``notebooks``."""
     lines = [
-        "<!-- written by scripts/workshop_table.py from the notebooks' headings: do not edit by hand -->",
+        "<!-- written by scripts/workshop_table.py from the notebooks' headings: "
+        "do not edit by hand -->",
         "",
         "| chapter | exercise | title | min | 3 h | day |",
         "|---|---|---|--:|:-:|:-:|",
@@ -149,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         if new != text:
             print(
-                f"{args.workshop.name}'s exercise table is out of date: run python scripts/workshop_table.py"
+                f"{args.workshop.name}'s exercise table is out of date: "
+                "run python scripts/workshop_table.py"
             )
             return 1
         return 0

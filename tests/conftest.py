@@ -1,5 +1,6 @@
 """Shared fixtures: a run directory per test, the no-leftover-process check, and a check that no
-test leaves the variables that steer a run changed (later tests and notebook kernels inherit them)."""
+test leaves the variables that steer a run changed (later tests and notebook kernels inherit
+them)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from mgtutorial.runtime.procs import non_service_children as rank_processes
+from mgtutorial.runtime.procs import non_service_children
 
 _STEERING = (
     "RANK",
@@ -38,12 +39,13 @@ def environment_unchanged():
 
 @pytest.fixture
 def no_leftovers():
-    """Fails the test if any child process it started is still alive 5 s after it ended."""
-    before = {p.pid for p in rank_processes()}
+    """Fails the test if any child process it started is still alive 5 s after it ended (a rank,
+    anything a rank started; not the resource tracker or fork server, which serve the session)."""
+    before = {p.pid for p in non_service_children()}
     yield
     deadline = time.monotonic() + 5
     while True:
-        left = [p for p in rank_processes() if p.pid not in before]
+        left = [p for p in non_service_children() if p.pid not in before]
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.1)

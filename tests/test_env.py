@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mgtutorial.runtime import env
+from mgtutorial.runtime import env, machine
 
 
 def test_auto_backend_follows_hardware(monkeypatch):
@@ -37,7 +37,7 @@ def test_plain_process_defaults(monkeypatch):
 
 
 def test_describe_explains_choice():
-    d = env.describe()
+    d = machine.describe()
     assert d["torch"] == torch.__version__
     assert d["backend"] in ("gloo", "nccl") and d["why"]
     if not torch.cuda.is_available():

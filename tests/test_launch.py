@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,10 +17,9 @@ import workers
 
 from mgtutorial import ddp, launch
 from mgtutorial.hello import HelloConfig, hello
-from mgtutorial.runtime import env, runlog
+from mgtutorial.runtime import env, runlog, torchelastic
+from mgtutorial.runtime.failure import WorkerFailed
 from mgtutorial.runtime.launcher import WorkerNotImportable
-from mgtutorial.runtime.run import WorkerFailed
-from mgtutorial.scale.elastic import ElasticConfig, elastic_worker
 
 
 def defined_in_main(cfg):  # pretend this came from a notebook cell
@@ -31,8 +33,7 @@ defined_in_main.__module__ = "__main__"
 @pytest.mark.parametrize("attempt", range(3))
 def test_failing_rank_is_named(attempt, runs, no_leftovers):
     # rank 1 raises at step 2; rank 0 would wait 600 s in its collective if nobody stopped it
-    cfg = ElasticConfig(dataset="synthetic", batch_size=4, fail_rank=1, fail_step=2, timeout_s=600)
-    run = launch(elastic_worker, cfg, 2, runs_dir=runs)
+    run = launch(workers.fail_at_step, workers.FailConfig(rank=1, step=2), 2, runs_dir=runs)
     with pytest.raises(WorkerFailed) as info:
         run.wait(timeout=30)
     err = info.value
@@ -46,8 +47,7 @@ def test_failing_rank_is_named(attempt, runs, no_leftovers):
 
 @pytest.mark.timeout(30)
 def test_failing_rank_0_is_named_too(runs, no_leftovers):
-    cfg = ElasticConfig(dataset="synthetic", batch_size=4, fail_rank=0, fail_step=1, timeout_s=600)
-    run = launch(elastic_worker, cfg, 2, runs_dir=runs)
+    run = launch(workers.fail_at_step, workers.FailConfig(rank=0, step=1), 2, runs_dir=runs)
     with pytest.raises(WorkerFailed) as info:
         run.wait(timeout=30)
     assert info.value.rank == 0 and "injected failure on rank 0 at step 1" in str(info.value)
@@ -64,10 +64,11 @@ def test_worker_from_main_is_refused_before_start(runs):
 def test_bad_configurations_are_refused_before_start(runs, monkeypatch):
     with pytest.raises(ValueError, match="nprocs=0"):
         launch(hello, HelloConfig(), 0, runs_dir=runs)
-    with pytest.raises(
-        ValueError, match="nprocs=True"
-    ):  # a bool is an int to Python, not a rank count
+    # a bool is an int to Python, not a rank count
+    with pytest.raises(ValueError, match="nprocs=True"):
         launch(hello, HelloConfig(), True, runs_dir=runs)
+    with pytest.raises(ValueError, match="backend='mpi'"):
+        launch(hello, HelloConfig(backend="mpi"), 2, runs_dir=runs)
     monkeypatch.setattr(env, "gpu_count", lambda: 0)
     with pytest.raises(ValueError, match="needs CUDA GPUs.*gloo"):
         launch(hello, HelloConfig(backend="nccl"), 2, runs_dir=runs)
@@ -161,9 +162,58 @@ def test_environment_contract(runs, no_leftovers):
     result = launch(hello, HelloConfig(), 2, runs_dir=runs).wait(timeout=30)
     for r, rec in result.values.items():
         assert rec["local_rank"] == r and rec["world_size"] == 2 and rec["backend"] == "gloo"
-        assert (
-            rec["env"]["TORCHELASTIC_RUN_ID"] is None
-        )  # no elastic agent: is_torchelastic_launched() False
+        # no elastic agent: is_torchelastic_launched() is False
+        assert rec["env"]["TORCHELASTIC_RUN_ID"] is None
     out = (result.run_dir / "rank1.out").read_text()
     assert "[rank 1] hello, world size 2" in out  # each rank's stdout lands in its own file
     assert "[rank 1]" not in (result.run_dir / "rank0.out").read_text()
+
+
+def _levels() -> list[int]:
+    return [logging.getLogger(name).level for name in torchelastic.LOGGERS]
+
+
+def test_importing_the_engine_leaves_torchelastic_loggers_alone():
+    code = (
+        "import logging, torch.distributed.elastic.multiprocessing.api, torch.multiprocessing\n"
+        "from mgtutorial.runtime import torchelastic\n"
+        "names = torchelastic.LOGGERS\n"
+        "before = [logging.getLogger(n).level for n in names]\n"
+        "import mgtutorial.runtime.launcher, mgtutorial.runtime.run\n"
+        "print(before == [logging.getLogger(n).level for n in names])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("True"), out.stdout
+
+
+@pytest.mark.timeout(90)
+def test_torchelastic_loggers_are_quiet_only_while_a_run_is_active(runs, no_leftovers):
+    mine = logging.INFO  # a learner's own setting, for their own torchrun code
+    saved = _levels()
+    for name in torchelastic.LOGGERS:
+        logging.getLogger(name).setLevel(mine)
+    try:
+        first = launch(workers.sleeper, workers.SleepConfig(seconds=120), 2, runs_dir=runs)
+        assert _levels() == [logging.CRITICAL] * 2
+        second = launch(workers.fail_at_step, workers.FailConfig(rank=1, step=1), 2, runs_dir=runs)
+        with pytest.raises(WorkerFailed):
+            second.wait(timeout=30)
+        assert _levels() == [logging.CRITICAL] * 2, "restored while another run was active"
+        first.stop()
+        assert _levels() == [mine] * 2
+        launch(hello, HelloConfig(), 1, runs_dir=runs).wait(timeout=30)
+        assert _levels() == [mine] * 2
+    finally:
+        for name, level in zip(torchelastic.LOGGERS, saved):
+            logging.getLogger(name).setLevel(level)
+
+
+def test_silence_loggers_releases_once_per_holder():
+    saved = _levels()
+    release_a, release_b = torchelastic.silence_loggers(), torchelastic.silence_loggers()
+    release_a()
+    release_a()  # a second call does nothing: b still holds them
+    assert _levels() == [logging.CRITICAL] * 2
+    release_b()
+    assert _levels() == saved

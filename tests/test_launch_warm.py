@@ -4,20 +4,21 @@ only; a rank killed by a signal is the root cause; the ranks die with their laun
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 import workers
 
 from mgtutorial import launch
+from mgtutorial.runtime.failure import WorkerFailed
 from mgtutorial.runtime.procs import rank_processes
-from mgtutorial.runtime.run import WorkerFailed, root_cause
 
+TESTS = Path(__file__).resolve().parent
 HANG_GUARD_S = 120  # only there to end a hung test, never a measure of speed
 
 
@@ -29,7 +30,10 @@ def test_each_launch_runs_current_source_env_and_sys_path(
     pkg.mkdir()
     monkeypatch.syspath_prepend(str(pkg))  # a folder the fork server has never seen
     source = pkg / "my_worker.py"
-    body = "import workers\n\ndef worker(cfg):\n    return {{'version': {v!r}, 'env': workers.env_probe(cfg)['env']}}\n"
+    body = (
+        "import workers\n\ndef worker(cfg):\n"
+        "    return {{'version': {v!r}, 'env': workers.env_probe(cfg)['env']}}\n"
+    )
     monkeypatch.setenv("MGT_PROBE_GONE", "was set")
     values = []
     for version, probe in (("first", "one"), ("second edition", "two")):
@@ -147,11 +151,12 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path):
     script.write_text(
         textwrap.dedent(f"""
         import sys
-        sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.path.dirname(os.path.dirname(__file__))!r}]
+        sys.path[:0] = [{str(TESTS)!r}, {str(TESTS.parent)!r}]
         import workers
         from mgtutorial import launch
         if __name__ == "__main__":
-            run = launch(workers.sleeper, workers.SleepConfig(seconds=600), 2, runs_dir={str(tmp_path)!r})
+            cfg = workers.SleepConfig(seconds=600)
+            run = launch(workers.sleeper, cfg, 2, runs_dir={str(tmp_path)!r})
             print(" ".join(str(p) for p in run.pids.values()), flush=True)
             run.wait()
         """)
@@ -166,41 +171,6 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path):
         assert alive == []
     finally:
         proc.kill()
-
-
-def _error(run_dir, rank, message, time, secondary):
-    (run_dir / f"rank{rank}.error.json").write_text(
-        f'{{"rank": {rank}, "type": "RuntimeError", "message": "{message}", "traceback": "", '
-        f'"time": {time}, "secondary": {str(secondary).lower()}}}'
-    )
-
-
-def test_root_cause_prefers_primary_then_silent_then_secondary(tmp_path):
-    _error(tmp_path, 0, "Connection closed by peer", 1.0, True)
-    _error(tmp_path, 1, "bad input", 2.0, False)
-    assert root_cause(tmp_path, 2, {0: 1, 1: 1}).rank == 1  # primary, although later
-    (tmp_path / "rank1.error.json").unlink()
-    failed = root_cause(tmp_path, 2, {0: 1, 1: None})
-    assert (failed.rank, failed.exc_type) == (
-        1,
-        "ProcessExited",
-    )  # silent beats a peer's consequence
-    assert "SIGKILL" in failed.message
-    (tmp_path / "rank1.err").write_text(
-        "Fatal Python error: Segmentation fault\n\nCurrent thread ...\n"
-    )
-    assert "SIGSEGV (Segmentation fault)" in root_cause(tmp_path, 2, {0: 1, 1: None}).message
-    assert "signal SIGBUS" in root_cause(tmp_path, 2, {0: 1, 1: -signal.SIGBUS}).message
-    (tmp_path / "rank1.result.json").write_text('{"rank": 1, "time": 3.0, "value": null}')
-    assert (
-        root_cause(tmp_path, 2, {0: 1, 1: 0}).message == "Connection closed by peer"
-    )  # only a secondary
-
-
-def test_root_cause_prefers_the_rank_seen_dying_among_silent_ones(tmp_path):
-    failed = root_cause(tmp_path, 3, {0: None, 1: -signal.SIGTERM, 2: -signal.SIGKILL})
-    assert failed.rank == 2 and "signal SIGKILL" in failed.message
-    assert "before its log existed" in failed.message
 
 
 def _wait_for_records(run):

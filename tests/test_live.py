@@ -1,4 +1,5 @@
-"""The live view offline: progress arithmetic, the loss figure, the terminal follower, the schema."""
+"""The live view offline: progress arithmetic, the loss figure, the terminal follower, the record
+schema."""
 
 from __future__ import annotations
 

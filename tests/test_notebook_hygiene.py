@@ -3,23 +3,18 @@ intended, short cells, a Summary and Exercises, the final live-plot figure saved
 
 Each check is a function returning a list of problems; the tests run them on every notebook in
 notebooks/ and, to show that they can fail, on a notebook built with each fault. The check that
-no rank process survives the session lives in the repository's conftest.py and is tested here too.
+no rank process survives the session lives in the repository's conftest.py (tests/test_procs.py).
 """
 
 from __future__ import annotations
 
 import base64
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
 
-from mgtutorial.runtime import procs
 from mgtutorial.workshop.edition import exercises_start
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -385,53 +380,3 @@ def test_clean_notebook_passes():
         nbformat.v4.new_markdown_cell("## Summary\n\n## Exercises"),
     ]
     assert all(not check(nb) for check in CHECKS)
-
-
-# --- the leftover-process check in conftest.py --------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "cmdline, is_rank",
-    [
-        (
-            [
-                "python",
-                "-c",
-                "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=6)",
-            ],
-            True,
-        ),
-        (
-            ["/venv/bin/python", "/venv/bin/torchrun", "--standalone", "-m", "mgtutorial", "ddp"],
-            True,
-        ),
-        (["python", "-u", "-m", "mgtutorial", "ddp", "--epochs", "1"], True),
-        (["python", "-c", "from multiprocessing.resource_tracker import main;main(5)"], False),
-        (
-            ["/home/me/mgtutorial/.venv/bin/python", "-m", "ipykernel_launcher", "-f", "k.json"],
-            False,
-        ),
-    ],
-)
-def test_rank_cmdline(cmdline, is_rank):
-    assert procs.is_rank_cmdline(cmdline) is is_rank
-
-
-def test_leftover_rank_is_found():
-    conftest = procs  # the root conftest.py uses these two
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)", "mgtutorial-fake-rank"]
-    )
-    child = psutil.Process(proc.pid)
-    try:
-        deadline = time.monotonic() + 10  # until the child has exec'd, its command line is pytest's
-        while child not in conftest.rank_descendants() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert child in conftest.rank_descendants(), (
-            "a live child with 'mgtutorial' in its arguments was not recognised as a rank"
-        )
-        assert conftest.survivors([child], grace_s=0.5) == [child]
-    finally:
-        proc.kill()
-        proc.wait()
-    assert conftest.survivors([child], grace_s=0.5) == []

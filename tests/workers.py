@@ -1,4 +1,5 @@
-"""Worker functions for the multi-rank tests (importable by spawned ranks, unlike test functions)."""
+"""Worker functions for the multi-rank tests (importable by spawned ranks, unlike test
+functions)."""
 
 from __future__ import annotations
 
@@ -74,13 +75,35 @@ class ProbeConfig:
 
 
 def env_probe(cfg: ProbeConfig) -> dict:
-    """Reports the given environment variables (None: unset) and the backend of the process group."""
+    """Reports the given environment variables (None: unset) and the process group's backend."""
     with env.distributed() as ctx:
         return {
             "env": {n: os.environ.get(n) for n in cfg.names},
             "backend": ctx.backend,
             "pid": os.getpid(),
         }
+
+
+@dataclass(kw_only=True)
+class FailConfig:
+    """All ranks all-reduce once per step; rank ``rank`` raises RuntimeError at step ``step``, and
+    its peers wait for it in their next all-reduce (for up to ``timeout_s`` seconds)."""
+
+    rank: int = 1
+    step: int = 2
+    steps: int = 5
+    timeout_s: float = 600.0
+
+
+def fail_at_step(cfg: FailConfig) -> None:
+    import torch
+    import torch.distributed as dist
+
+    with env.distributed(timeout_s=cfg.timeout_s) as ctx:
+        for step in range(1, cfg.steps + 1):
+            if ctx.rank == cfg.rank and step == cfg.step:
+                raise RuntimeError(f"injected failure on rank {ctx.rank} at step {step}")
+            dist.all_reduce(torch.ones(1))
 
 
 @dataclass(kw_only=True)

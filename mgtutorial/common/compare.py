@@ -92,7 +92,8 @@ def nbytes(t) -> int:
 def counting_mode():
     """A ``CommDebugMode`` (imported on first use) that also keeps each collective call's sizes:
     ``mode.sizes`` maps a collective's name to ``[[bytes in, bytes out], …]`` and
-    ``mode.counts()`` gives :func:`collective_counts`. Use it as ``with counting_mode() as mode:``."""
+    ``mode.counts()`` gives :func:`collective_counts`. Use it as
+    ``with counting_mode() as mode:``."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     collectives = set(COLLECTIVE_NAMES.values())
@@ -106,9 +107,8 @@ def counting_mode():
             out = super().__torch_dispatch__(func, types, args, kwargs)
             name = collective_name(func)
             if out is not NotImplemented and name in collectives:
-                got = (
-                    args[0] if isinstance(out, tuple) else out
-                )  # c10d's ops return (tensors, work)
+                # c10d's ops return (tensors, work): the tensors are the call's own buffers
+                got = args[0] if isinstance(out, tuple) else out
                 self.sizes.setdefault(name, []).append([nbytes(args[0]), nbytes(got)])
             return out
 

@@ -38,7 +38,8 @@ def positive(cfg, *names: str) -> None:
 
 
 def rank_or_none(cfg, name: str, count: int, what: str = "rank") -> None:
-    """A fault-injection target: −1 (none) or one of the job's ``count`` ranks (or stages), 0 … count − 1."""
+    """Raise ``ValueError`` unless field ``name`` is a fault-injection target: −1 (none) or one of
+    the job's ``count`` ranks (or stages, as ``what`` says), 0 … count − 1."""
     value = getattr(cfg, name)
     if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value < count:
         raise ValueError(
@@ -81,6 +82,11 @@ class Config:
     subclasses extend it with their own range checks and call ``super().validate(nprocs)``.
     """
 
-    def validate(self, nprocs: int) -> None:
-        """Refuse a value outside its ``Literal`` choices (see :func:`check_choices`)."""
+    def validate(self, nprocs: int | None = None) -> None:
+        """Refuse a value outside its ``Literal`` choices (see :func:`check_choices`); ``nprocs``
+        is the world size the config is launched with (None: not known here).
+
+        Raises:
+            ValueError: naming the field, its value and the allowed values.
+        """
         check_choices(self)

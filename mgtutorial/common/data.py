@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
-DatasetChoice = Literal["auto", "digits", "cifar10", "synthetic"]
-"""A dataset's name (see the module docstring); "auto" is CIFAR-10 when on disk, else digits."""
-DATASETS = get_args(DatasetChoice)
+DatasetName = Literal["auto", "digits", "cifar10", "synthetic"]
+"""The data sets by name (see the module's docstring); the type of a config's ``dataset``."""
+DATASETS = get_args(DatasetName)
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
@@ -56,9 +56,8 @@ def check_available(
         raise FileNotFoundError(
             f"CIFAR-10 is not in {Path(root or data_root())}. Fetch it once (170 MB) with\n"
             "    python -m mgtutorial data cifar10\n"
-            "or pass download=True (--download on the command line); set MGTUTORIAL_DATA to keep it "
-            "elsewhere. "
-            "dataset='digits' (or 'auto') trains offline on real handwritten digits."
+            "or pass download=True (--download on the command line); set MGTUTORIAL_DATA to keep "
+            "it elsewhere. dataset='digits' (or 'auto') trains offline on real handwritten digits."
         )
 
 
@@ -143,7 +142,12 @@ def load_synthetic(
 
 
 def resolve_dataset(name: str, root: str | os.PathLike | None = None) -> str:
-    """``"auto"`` → "cifar10" when it is on disk, else "digits"; other names are checked and returned."""
+    """``"auto"`` → "cifar10" when it is on disk, else "digits"; other names are checked and
+    returned.
+
+    Raises:
+        ValueError: a name that is not one of :data:`DATASETS`.
+    """
     if name not in DATASETS:
         raise ValueError(f"dataset={name!r} is not one of {DATASETS}.")
     if name == "auto":

@@ -14,7 +14,8 @@ from torch import nn
 
 
 def conv_out_size(size: int, kernel: int, stride: int = 1, padding: int = 0) -> int:
-    """Spatial output size of a conv or pool: ``floor((size + 2·padding − kernel) / stride) + 1``."""
+    """Spatial output size of a conv or pool:
+    ``floor((size + 2·padding − kernel) / stride) + 1``."""
     return (size + 2 * padding - kernel) // stride + 1
 
 
@@ -39,7 +40,8 @@ class ArticleCNN(nn.Module):
 
     Fixed: the flatten size is computed from ``in_shape`` (see :func:`cnn_flatten_size`) instead of
     the article's 4608, and ``flatten(1)`` keeps the batch dimension (the article's
-    ``view(-1, 4608)`` silently reshapes a 32×32 batch of B images into a wrong batch size, or fails).
+    ``view(-1, 4608)`` silently reshapes a 32×32 batch of B images into a wrong batch size, or
+    fails).
 
     Shapes: input ``(B, C, H, W)`` float; output ``(B, num_classes)`` logits.
     """
@@ -70,8 +72,8 @@ class ArticleCNN(nn.Module):
 
 
 class SubNet(nn.Module):
-    """One block of the article's MLP: ``Linear(in_features, out_features)``, then ReLU when ``relu``
-    (every block but the last, whose outputs are the logits)."""
+    """One block of the article's MLP: ``Linear(in_features, out_features)``, then ReLU when
+    ``relu`` (every block but the last, whose outputs are the logits)."""
 
     def __init__(self, in_features: int, out_features: int, relu: bool = True):
         super().__init__()
@@ -87,7 +89,8 @@ class ArticleMLP(nn.Module):
     """The article's "model parallel" MLP: sub-networks 1024 → 512 → 256 → 100, applied in order,
     ReLU between them (not after the last: its outputs are the logits of 100 classes).
 
-    Shapes: input ``(B, sizes[0])``; output ``(B, sizes[-1])``. :meth:`split` cuts it into pipeline stages.
+    Shapes: input ``(B, sizes[0])``; output ``(B, sizes[-1])``. :meth:`split` cuts it into
+    pipeline stages.
     """
 
     def __init__(self, sizes: tuple[int, ...] = (1024, 512, 256, 100)):
@@ -127,8 +130,8 @@ def count_parameters(model: nn.Module) -> int:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The network inside a data-parallel wrapper: ``model.module`` for DDP (chapter 02) and
-    :class:`~mgtutorial.ddp.collectives.FromScratchDDP` (chapter 03); the model itself otherwise (a plain
-    module, or one sharded in place by FSDP2's ``fully_shard``)."""
+    :class:`~mgtutorial.ddp.collectives.FromScratchDDP` (chapter 03); the model itself otherwise
+    (a plain module, or one sharded in place by FSDP2's ``fully_shard``)."""
     return model.module if isinstance(getattr(model, "module", None), nn.Module) else model
 
 
@@ -138,7 +141,8 @@ def disable_tf32() -> None:
     torch ≥ 2.9: the ``fp32_precision`` API, cuDNN conv and RNN set together (mixing it with the
     legacy switches makes their getter raise); older torch: ``cudnn.allow_tf32`` and
     ``cuda.matmul.allow_tf32``. No effect on CPU computations. Taught in notebooks/02_ddp.ipynb;
-    see https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices.
+    see the TF32 section of
+    https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices
     """
     cudnn, cuda = torch.backends.cudnn, torch.backends.cuda
     if hasattr(cudnn, "conv") and hasattr(cuda.matmul, "fp32_precision"):

@@ -43,7 +43,7 @@ class DDPConfig(config.Config):
     """SGD learning rate."""
     momentum: float = 0.9
     """SGD momentum."""
-    dataset: data.DatasetChoice = "auto"
+    dataset: data.DatasetName = "auto"
     """The training data ("auto": CIFAR-10 when on disk, else digits; see
     :mod:`mgtutorial.common.data`)."""
     data_root: str | None = None

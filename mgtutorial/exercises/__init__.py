@@ -9,7 +9,7 @@ Each chapter module holds one small function per exercise (and the workers those
 shared pieces (:class:`ExerciseError`, the pass line, loading a learner's module by path, running
 ranks) are in :mod:`mgtutorial.exercises._common`. The committed notebooks are the instructor
 edition (solutions between ``# BEGIN SOLUTION`` / ``# END SOLUTION``); ``make student`` writes the
-student edition with :mod:`mgtutorial.exercises.edition`. Chapter modules are imported on first use
+student edition with :mod:`mgtutorial.workshop.edition`. Chapter modules are imported on first use
 (PEP 562), so ``import mgtutorial.exercises`` is cheap.
 """
 

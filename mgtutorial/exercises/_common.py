@@ -11,7 +11,7 @@ Conventions (tested in tests/test_exercises.py):
   it *by path* inside each rank (:func:`import_file`), so nothing depends on ``sys.path``.
 
 Taught in: every chapter's "Exercises" section (notebooks/*.ipynb); the editions are made by
-:mod:`mgtutorial.exercises.edition`.
+:mod:`mgtutorial.workshop.edition`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
+
+from mgtutorial.common.config import Config
+from mgtutorial.runtime.env import BackendChoice
 
 PASS = "✓"
 
@@ -46,7 +49,8 @@ class ExerciseError(AssertionError):
 
 
 class RankFailed(ExerciseError):
-    """A rank failed while a checker ran the learner's code; ``rank`` and ``exc_type`` say which and how."""
+    """A rank failed while a checker ran the learner's code; ``rank`` and ``exc_type`` say which
+    and how."""
 
     def __init__(self, exercise: str, hint: str, rank: int, exc_type: str):
         super().__init__(exercise, hint)
@@ -148,15 +152,15 @@ def run_ranks(
         RankFailed: a rank failed; the hint names the rank, its error and the line it came from.
         ExerciseError: the ranks did not finish within ``timeout_s`` (they are stopped first).
     """
+    from mgtutorial.runtime.failure import WorkerFailed, innermost_frame
     from mgtutorial.runtime.launcher import launch
-    from mgtutorial.runtime.run import WorkerFailed, _innermost_frame
 
     launch_kw.setdefault("runs_dir", "runs/exercises")
     run = launch(worker, cfg, nprocs, **launch_kw)
     try:
         return run.wait(timeout=timeout_s)
     except WorkerFailed as e:
-        where = _innermost_frame(e.traceback)
+        where = innermost_frame(e.traceback)
         raise RankFailed(
             exercise,
             f"rank {e.rank} failed with {e.exc_type}: {e.message}"
@@ -174,15 +178,16 @@ def run_ranks(
 
 
 @dataclass
-class FileWorkerConfig:
+class FileWorkerConfig(Config):
     """What :func:`file_worker` runs in each rank: ``<function>(cfg)`` of the module at ``path``."""
 
     path: str
     """Absolute path of the learner's module (written with ``%%writefile``)."""
     function: str
     """Name of the module-level function each rank calls with this config."""
-    backend: str = "auto"
-    """Process-group backend for ``env.distributed(cfg.backend)`` in the learner's function."""
+    backend: BackendChoice = "auto"
+    """Process-group backend for ``env.distributed(cfg.backend)`` in the learner's function:
+    "auto", "gloo" or "nccl"."""
     options: dict = field(default_factory=dict)
     """Exercise-specific settings the learner's function may read (``cfg.options[...]``)."""
 
@@ -202,11 +207,12 @@ def run_file(
     timeout_s: float = 60.0,
     **launch_kw,
 ):
-    """Run the learner's ``function`` from the file ``path`` on ``nprocs`` ranks; return the RunResult.
+    """Run the learner's ``function`` from the file ``path`` on ``nprocs`` ranks; return the
+    RunResult.
 
-    The file is imported in the notebook kernel first, so its top-level code runs there too; a missing
-    file, a syntax error or a missing function is reported before any rank starts. A failing rank becomes an :class:`ExerciseError` (see
-    :func:`run_ranks`).
+    The file is imported in the notebook kernel first, so its top-level code runs there too; a
+    missing file, a syntax error or a missing function is reported before any rank starts. A
+    failing rank becomes an :class:`ExerciseError` (see :func:`run_ranks`).
     """
     function_from(path, function, exercise)
     cfg = FileWorkerConfig(path=str(Path(path).resolve()), function=function, options=options or {})

@@ -1,5 +1,6 @@
 """Checkers of chapter 00's exercises (notebooks/00_setup.ipynb): the sum of ranks, the default
-number of ranks, a worker of your own in a file (an all-reduced MAX), and which rank a failure names."""
+number of ranks, a worker of your own in a file (an all-reduced MAX), and which rank a failure
+names."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def rank_sums(predicted: dict) -> None:
 
 
 def default_nprocs(predicted: dict) -> None:
-    """00.2: ``predicted[g]`` is ``env.default_nprocs()`` on a machine with ``g`` GPUs (g = 0, 1, 2, 8)."""
+    """00.2: ``predicted[g]`` is ``env.default_nprocs()`` on a machine with ``g`` GPUs (g = 0, 1,
+    2, 8)."""
     ex = "00.2 default ranks"
     for gpus in (0, 1, 2, 8):
         guess = answered(predicted.get(gpus), ex, f"predicted[{gpus}]")
@@ -66,7 +68,8 @@ VALUES = (5, 9, 2)  # 00.3: rank r contributes VALUES[r]
 
 
 def _own_value_worker(cfg: FileWorkerConfig):
-    """Rank-side (00.3): give the learner's function only this rank's value, ``cfg.options["value"]``."""
+    """Rank-side (00.3): give the learner's function only this rank's value,
+    ``cfg.options["value"]``."""
     rank = int(os.environ["RANK"])
     return file_worker(dataclasses.replace(cfg, options={"value": cfg.options["values"][rank]}))
 
@@ -78,9 +81,7 @@ def max_value(path: str = "ex00_worker.py") -> None:
     Runs 3 ranks; each sees only its own value, so the largest can only come from a collective.
     """
     ex = "00.3 your own worker"
-    function_from(
-        path, "my_hello", ex
-    )  # a missing file or function is named before any rank starts
+    function_from(path, "my_hello", ex)  # a missing file or function: named before any rank starts
     cfg = FileWorkerConfig(
         path=str(Path(path).resolve()), function="my_hello", options={"values": list(VALUES)}
     )
@@ -106,7 +107,8 @@ def max_value(path: str = "ex00_worker.py") -> None:
         require(
             isinstance(got, (int, float)) and not isinstance(got, bool),
             ex,
-            f"rank {rank} reported max {got!r}: return one number, e.g. int(t.item()), not a list or tensor",
+            f"rank {rank} reported max {got!r}: return one number, e.g. int(t.item()), not a "
+            "list or tensor",
         )
         require(
             got != sum(VALUES),
@@ -117,9 +119,9 @@ def max_value(path: str = "ex00_worker.py") -> None:
         require(
             got != own or own == max(VALUES),
             ex,
-            f"rank {rank} reported its own value {own}: no collective brought it the others' values. Put "
-            "it in a tensor and dist.all_reduce it with op=dist.ReduceOp.MAX (dist.reduce leaves the "
-            "result on one rank only)",
+            f"rank {rank} reported its own value {own}: no collective brought it the others' "
+            "values. Put it in a tensor and dist.all_reduce it with op=dist.ReduceOp.MAX "
+            "(dist.reduce leaves the result on one rank only)",
         )
         require(
             got == max(VALUES),
@@ -135,15 +137,14 @@ def max_value(path: str = "ex00_worker.py") -> None:
 
 
 def failing_rank(path: str = "ex00_fail.py", predicted_rank=...) -> None:
-    """00.4: ``worker(cfg)`` in ``path`` raises ``ValueError`` on rank 1 only; predict the rank named.
+    """00.4: ``worker(cfg)`` in ``path`` raises ``ValueError`` on rank 1 only; predict the rank
+    named.
 
-    Also reads rank 0's ``rank0.error.json`` (see :func:`mgtutorial.runtime.run.root_cause`): rank 0 may
-    record an error of its own only as a consequence (``secondary``) of rank 1's."""
+    Also reads rank 0's ``rank0.error.json`` (see :func:`mgtutorial.runtime.failure.root_cause`):
+    rank 0 may record an error of its own only as a consequence (``secondary``) of rank 1's."""
     ex = "00.4 a failing rank"
     guess = answered(predicted_rank, ex, "predicted_rank")
-    name = (
-        f"{Path(path).stem}-{uuid.uuid4().hex[:6]}"  # a name of its own, to find the run's folder
-    )
+    name = f"{Path(path).stem}-{uuid.uuid4().hex[:6]}"  # a name of its own: its run's folder
     try:
         run_file(ex, path, "worker", 2, timeout_s=30, name=name)
     except RankFailed as e:

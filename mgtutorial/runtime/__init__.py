@@ -2,9 +2,13 @@
 
 It knows no lesson: nothing here imports a chapter's subpackage (tests/test_layout.py checks it).
 
-- ``env``: rank, local rank, world size, backend and device choice, seeding, threads, ``distributed()``
+- ``env``: rank, local rank, world size, backend and device choice, seeding, threads,
+  ``distributed()``
+- ``machine``: what this machine has and what the course chooses on it (``describe()``)
 - ``launcher``: the checks and ``launch(worker, cfg, nprocs) -> Run``
-- ``run``: ``Run``, ``RunResult``, ``WorkerFailed`` and the root cause of a failure
+- ``run``: ``Run`` and ``RunResult``; ``torchelastic``: what a run sets in TorchElastic (rank
+  files, its loggers silenced while a run is active)
+- ``failure``: ``WorkerFailed`` and the root cause of a failure
 - ``_rank``: the first code inside a rank
 - ``runlog``: the record schema (one writer per kind) and the incremental reader
 - ``live``: live plot, progress bar and loss figure, drawn from records only

@@ -1,13 +1,13 @@
 """The first code that runs inside a rank started by :func:`mgtutorial.launch`.
 
-Taught in notebooks/00_setup.ipynb (what happens when a rank starts). It imports the worker by name,
-runs it (importing it here, in the rank, so the rank runs the module's current source), and
-records the outcome in the run directory: ``rank<r>.result.json`` (the return value)
-or ``rank<r>.error.json`` (the exception, see :func:`mgtutorial.runtime.runlog.write_error`). A thread
-watches the launching process, so a rank whose notebook kernel died does not live on.
+Taught in notebooks/00_setup.ipynb (what happens when a rank starts). It imports the worker by
+name, runs it (importing it here, in the rank, so the rank runs the module's current source), and
+records the outcome in the run directory: ``rank<r>.result.json`` (the return value) or
+``rank<r>.error.json`` (the exception, see :func:`mgtutorial.runtime.runlog.write_error`). A
+thread watches the launching process, so a rank whose notebook kernel died does not live on.
 
 This module is imported in every rank, so it imports little: no psutil, no
-:class:`~mgtutorial.runtime.run.Run`, none of the launcher's logging settings.
+:class:`~mgtutorial.runtime.run.Run`, none of TorchElastic's logging settings.
 """
 
 from __future__ import annotations

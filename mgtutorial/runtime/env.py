@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import platform
 import random
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -63,7 +62,8 @@ def local_world_size() -> int:
 
 
 def restart_count() -> int:
-    """How many times torchrun restarted this job (``TORCHELASTIC_RESTART_COUNT``; 0: first attempt)."""
+    """How many times torchrun restarted this job (``TORCHELASTIC_RESTART_COUNT``; 0: the first
+    attempt)."""
     return _int_env("TORCHELASTIC_RESTART_COUNT", 0)
 
 
@@ -77,7 +77,7 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_backend(backend: str = "auto", nprocs_per_node: int | None = None) -> str:
+def resolve_backend(backend: BackendChoice = "auto", nprocs_per_node: int | None = None) -> Backend:
     """Turn ``"auto" | "gloo" | "nccl"`` into the backend to use, or raise a clear error.
 
     "auto" is NCCL when CUDA is available with at least one GPU per local rank, else gloo.
@@ -109,7 +109,7 @@ def resolve_backend(backend: str = "auto", nprocs_per_node: int | None = None) -
     return backend
 
 
-def device_for(backend: str, local_rank_: int | None = None) -> torch.device:
+def device_for(backend: Backend, local_rank_: int | None = None) -> torch.device:
     """The device a rank computes on: ``cuda:LOCAL_RANK`` under NCCL, else CPU.
 
     The index is the *local* rank: on the second node of a 2×4 GPU job, global rank 5 uses cuda:1.
@@ -120,7 +120,8 @@ def device_for(backend: str, local_rank_: int | None = None) -> torch.device:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, torch (CPU and every GPU) with ``seed``. Offset it by rank yourself where data must differ."""
+    """Seed Python and torch (CPU and every GPU) with ``seed``. Offset it by rank yourself where
+    the data must differ."""
     random.seed(seed)
     torch.manual_seed(seed)
 
@@ -176,7 +177,9 @@ class DistContext:
 
 
 @contextlib.contextmanager
-def distributed(backend: str = "auto", timeout_s: float = 120.0, num_threads: int | None = None):
+def distributed(
+    backend: BackendChoice = "auto", timeout_s: float = 120.0, num_threads: int | None = None
+):
     """Join the process group for the duration of the block; leave it cleanly either way.
 
     Inside a rank (``RANK`` and ``MASTER_ADDR`` set): ``init_process_group`` with the resolved
@@ -251,37 +254,9 @@ def global_mean(value: float | torch.Tensor, ctx: DistContext) -> float:
     return float(t.item())
 
 
-def describe(nprocs: int | None = None) -> dict:
-    """A summary of this machine and the choices the course makes on it.
-
-    Returns a dict with torch/torchvision versions, CPU count, GPUs (names), the backend "auto"
-    picks, the number of ranks the chapters launch by default, the device of rank 0 and why.
-    """
-    import torchvision
-
-    gpus = gpu_count()
-    ranks = nprocs or default_nprocs()
-    backend = resolve_backend("auto", ranks)
-    why = (
-        f"{gpus} CUDA GPU(s) ≥ {ranks} ranks → one GPU per rank with NCCL"
-        if backend == "nccl"
-        else ("no CUDA GPU" if gpus == 0 else f"{gpus} GPU(s) < {ranks} ranks") + " → gloo on CPU"
-    )
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
-        "cpus": os.cpu_count(),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],
-        "default_nprocs": ranks,
-        "backend": backend,
-        "rank0_device": str(device_for(backend, 0)),
-        "why": why,
-    }
-
-
 def default_nprocs() -> int:
-    """Ranks the chapters launch by default: one per GPU when there are at least 2, else 2 CPU ranks."""
+    """Ranks the chapters launch by default: one per GPU when there are at least 2, else 2 CPU
+    ranks."""
     return gpu_count() if gpu_count() >= 2 else 2
 
 
@@ -305,5 +280,6 @@ VARIABLES = (
 
 
 def variables() -> dict[str, str | None]:
-    """The environment variables that shape a distributed run, as this process sees them (None: unset)."""
+    """The environment variables that shape a distributed run, as this process sees them (None:
+    unset)."""
     return {name: os.environ.get(name) for name in VARIABLES}

@@ -1,8 +1,8 @@
 """``launch(worker, cfg, nprocs)``: start ranks from a notebook without blocking it; the one way
 every chapter starts processes.
 
-Taught in notebooks/00_setup.ipynb; used by every chapter.
-Built on TorchElastic's process machinery (``torch.distributed.elastic.multiprocessing.start_processes``,
+Taught in notebooks/00_setup.ipynb; used by every chapter. Built on TorchElastic's process
+machinery (``torch.distributed.elastic.multiprocessing.start_processes``,
 https://pytorch.org/docs/stable/elastic/multiprocessing.html), the same code ``torchrun`` uses,
 with the *forkserver* start method (``multiprocessing.set_forkserver_preload``,
 https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods): the server
@@ -14,7 +14,8 @@ MASTER_ADDR=127.0.0.1, MASTER_PORT), so a worker runs unchanged under ``torchrun
 Checks before any process starts: ``nprocs`` ≥ 1, backend vs hardware, the worker and its config
 importable by a child (not defined in a notebook or ``__main__``), the config's own ``validate``, a
 free port. The running job is a :class:`~mgtutorial.runtime.run.Run` (its own module, with
-:class:`~mgtutorial.runtime.run.RunResult` and :class:`~mgtutorial.runtime.run.WorkerFailed`, re-exported here).
+:class:`~mgtutorial.runtime.run.RunResult`); a failure raises
+:class:`~mgtutorial.runtime.failure.WorkerFailed`.
 """
 
 from __future__ import annotations
@@ -28,13 +29,11 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, get_args
 
 from mgtutorial.runtime import _rank, env, procs, runlog
 from mgtutorial.runtime._rank import import_ref
-
-if TYPE_CHECKING:
-    from mgtutorial.runtime.run import Run
+from mgtutorial.runtime.run import Run, StartMethod
 
 START_METHOD_ENV = "MGTUTORIAL_START_METHOD"
 
@@ -47,10 +46,10 @@ def _ref_of(obj, what: str) -> str:
     module = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None)
     hint = (
-        f"Move {what} {qualname or obj!r} into a .py file (e.g. a module of mgtutorial/ or your own "
-        "my_worker.py next to the notebook) and import it from there: worker processes (forked from a clean fork "
-        "server, or spawned) can only run code they can import; a function defined in a notebook cell "
-        "or in __main__ lives in the parent's memory only."
+        f"Move {what} {qualname or obj!r} into a .py file (e.g. a module of mgtutorial/ or your "
+        "own my_worker.py next to the notebook) and import it from there: worker processes "
+        "(forked from a clean fork server, or spawned) can only run code they can import; a "
+        "function defined in a notebook cell or in __main__ lives in the parent's memory only."
     )
     if module in (None, "__main__", "builtins") or qualname is None or "<locals>" in qualname:
         raise WorkerNotImportable(f"{what} {qualname or obj!r} is defined in {module!r}. {hint}")
@@ -66,12 +65,10 @@ def _ref_of(obj, what: str) -> str:
 
 
 def _refuse_in_spawned_child() -> None:
-    import multiprocessing
-
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise RuntimeError(
-            "launch() was called while a spawned rank was starting up: the rank re-imported the main "
-            "script and reached the launching code again. Put that code under "
+            "launch() was called while a spawned rank was starting up: the rank re-imported the "
+            "main script and reached the launching code again. Put that code under "
             '`if __name__ == "__main__":` in your script.'
         )
 
@@ -83,11 +80,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def check_config(worker: Callable, cfg, nprocs: int, backend: str) -> tuple[str, str]:
+def check_config(
+    worker: Callable, cfg, nprocs: int, backend: env.BackendChoice
+) -> tuple[str, env.Backend]:
     """Everything :func:`launch` checks before starting a process; returns (worker ref, backend).
 
     Raises:
-        ValueError: ``nprocs`` < 1, or backend vs hardware (see :func:`mgtutorial.runtime.env.resolve_backend`).
+        ValueError: ``nprocs`` < 1, or backend vs hardware (see
+            :func:`mgtutorial.runtime.env.resolve_backend`).
         WorkerNotImportable: worker or config class not importable by a child.
         TypeError: config not a dataclass instance or not JSON-serialisable.
         ValueError: whatever ``cfg.validate(nprocs)`` raises, if the config defines it.
@@ -99,7 +99,8 @@ def check_config(worker: Callable, cfg, nprocs: int, backend: str) -> tuple[str,
     if main_file and not os.path.exists(main_file):
         raise RuntimeError(
             f"spawned ranks re-run the main script, and {main_file!r} is not a file (a script fed "
-            "on standard input?). Save it as a .py file and run that, or use python -c / a notebook."
+            "on standard input?). Save it as a .py file and run that, or use python -c or a "
+            "notebook."
         )
     ref = _ref_of(worker, "worker")
     if cfg is not None:
@@ -120,13 +121,13 @@ def launch(
     cfg=None,
     nprocs: int = 2,
     *,
-    backend: str | None = None,
+    backend: env.BackendChoice | None = None,
     runs_dir: str | os.PathLike = "runs",
     name: str | None = None,
     master_port: int | None = None,
     threads_per_rank: int | None = None,
     extra_env: dict[str, str] | None = None,
-    start_method: str | None = None,
+    start_method: StartMethod | None = None,
 ) -> Run:
     """Start ``nprocs`` ranks running ``worker(cfg)``; return at once with a :class:`Run` handle.
 
@@ -136,8 +137,8 @@ def launch(
         nprocs: number of ranks (world size), ≥ 1.
         backend: "auto" | "gloo" | "nccl"; default ``cfg.backend`` if it has one, else "auto".
             Checked against the hardware here; the ranks get the resolved one
-            (``MGTUTORIAL_BACKEND``, which :func:`mgtutorial.runtime.env.distributed` reads for "auto"),
-            and so does ``Run.backend``.
+            (``MGTUTORIAL_BACKEND``, which :func:`mgtutorial.runtime.env.distributed` reads for
+            "auto"), and so does ``Run.backend``.
         runs_dir: parent folder of the run directory ``<runs_dir>/<name>-<time>-<id>``.
         name: prefix of the run directory (default: the worker's module name).
         master_port: the job's TCPStore port on 127.0.0.1 (default: one the OS picks).
@@ -148,8 +149,8 @@ def launch(
             (a fresh interpreter per rank); default ``$MGTUTORIAL_START_METHOD`` if set.
 
     Raises:
-        ValueError, WorkerNotImportable, TypeError: see :func:`check_config`; a taken ``master_port``;
-            an unknown ``start_method``.
+        ValueError, WorkerNotImportable, TypeError: see :func:`check_config`; a taken
+            ``master_port``; an unknown ``start_method``.
     """
     if backend and getattr(cfg, "backend", backend) != backend:
         raise ValueError(
@@ -170,7 +171,8 @@ def launch(
         **os.environ,  # the parent's environment *now*, not when the fork server started
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(listener.getsockname()[1]),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the store is ours (see Run): every rank is a client
+        # the store is ours (see Run): every rank is a client
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": "0",
         "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs),
@@ -185,8 +187,6 @@ def launch(
         base["GLOO_SOCKET_IFNAME"] = procs.loopback_ifname()
     base.update(extra_env or {})
     envs = {r: {**base, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nprocs)}
-    from mgtutorial.runtime.run import Run
-
     return Run(run_dir, ref, cfg, envs, chosen, start_method=method, listener=listener)
 
 
@@ -204,13 +204,13 @@ FORKSERVER_PRELOAD = (
 )
 
 
-def _start_method(requested: str | None) -> str:
+def _start_method(requested: StartMethod | None) -> StartMethod:
     method = (
         requested
         or os.environ.get(START_METHOD_ENV)
         or ("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
     )
-    if method not in ("forkserver", "spawn"):
+    if method not in get_args(StartMethod):
         raise ValueError(f"start_method={method!r} is not 'forkserver' or 'spawn'.")
     if method == "forkserver":
         # takes effect when the server starts (the first forkserver launch of this process)

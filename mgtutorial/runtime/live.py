@@ -3,8 +3,8 @@
 Taught in notebooks/01_single_device.ipynb and notebooks/02_ddp.ipynb.
 Built on ipywidgets (https://ipywidgets.readthedocs.io, ``Output``), matplotlib and tqdm.
 
-Everything is drawn from the ranks' log files (:mod:`mgtutorial.runtime.runlog`), never from the ranks
-themselves: a spawned process cannot draw into a notebook cell.
+Everything is drawn from the ranks' log files (:mod:`mgtutorial.runtime.runlog`), never from the
+ranks themselves: a spawned process cannot draw into a notebook cell.
 """
 
 from __future__ import annotations
@@ -226,9 +226,8 @@ def follow_terminal(run, png: bool = True):
     from tqdm.auto import tqdm
 
     reader = runlog.RunReader(run.run_dir)
-    bar = tqdm(
-        desc=run.run_dir.name, unit="step", delay=2.0
-    )  # shown once the ranks have started (and said how many steps)
+    # shown once the ranks have started (and said how many steps)
+    bar = tqdm(desc=run.run_dir.name, unit="step", delay=2.0)
     try:
         while True:
             try:
@@ -255,9 +254,11 @@ def follow_terminal(run, png: bool = True):
 
 
 def watch(run, interval: float = 1.0, title: str | None = None):
-    """Follow ``run`` until it ends: :class:`LivePlot` in Jupyter, :func:`follow_terminal` elsewhere.
+    """Follow ``run`` until it ends: :class:`LivePlot` in Jupyter, :func:`follow_terminal`
+    elsewhere.
 
-    Returns the RunResult. Raises WorkerFailed (a rank failed) or KeyboardInterrupt (ranks stopped).
+    Returns the RunResult. Raises WorkerFailed (a rank failed) or KeyboardInterrupt (the ranks
+    were stopped).
     """
     if in_notebook():
         return LivePlot(run, interval, title).follow()

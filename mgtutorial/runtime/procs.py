@@ -16,17 +16,32 @@ import psutil
 SERVICES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
-def _cmdline(p: psutil.Process) -> str:
-    return " ".join(p.cmdline())
+def _cmdline(p: psutil.Process | None) -> str:
+    return " ".join(p.cmdline()) if p is not None else ""
+
+
+def _service(p: psutil.Process) -> bool:
+    """multiprocessing's resource tracker or fork server itself (not a child forked from it)."""
+    return any(s in _cmdline(p) for s in SERVICES) and not _forked(p)
 
 
 def _forked(p: psutil.Process) -> bool:
-    """A child of multiprocessing's fork server: it has the server's command line, not its own."""
-    return "multiprocessing.forkserver" in _cmdline(p.parent())
+    """A child forked by multiprocessing's fork server: it has the server's command line (a fork
+    without exec), not a command line of its own."""
+    own = _cmdline(p)
+    return "multiprocessing.forkserver" in own and own == _cmdline(p.parent())
 
 
 def _alive(p: psutil.Process) -> bool:
     return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+
+
+def is_running(pid: int) -> bool:
+    """True while the process ``pid`` exists and is not a zombie (ended, not yet waited for)."""
+    try:
+        return _alive(psutil.Process(pid))
+    except psutil.Error:
+        return False
 
 
 def is_rank_cmdline(cmdline: list[str]) -> bool:
@@ -45,6 +60,7 @@ def is_rank_cmdline(cmdline: list[str]) -> bool:
 
 
 def _descendants(root: psutil.Process | None, keep) -> list[psutil.Process]:
+    """The live descendants ``p`` of ``root`` (default: this process) for which ``keep(p)``."""
     try:
         children = (root or psutil.Process()).children(recursive=True)
     except psutil.Error:
@@ -62,14 +78,23 @@ def _descendants(root: psutil.Process | None, keep) -> list[psutil.Process]:
 def rank_processes(root: psutil.Process | None = None) -> list[psutil.Process]:
     """The live rank processes that :func:`~mgtutorial.launch` started from ``root`` (default:
     this process), by either start method: spawned ones (``spawn_main`` in their command line) and
-    those forked from the fork server (its children). Zombies are left out."""
-    return _descendants(root, lambda p: "spawn_main" in _cmdline(p) or _forked(p))
+    those forked from the fork server (its children). Zombies, the resource tracker and the fork
+    server itself are left out."""
+
+    def keep(p: psutil.Process) -> bool:
+        return not _service(p) and ("spawn_main" in _cmdline(p) or _forked(p))
+
+    return _descendants(root, keep)
 
 
 def rank_descendants(root: psutil.Process | None = None) -> list[psutil.Process]:
     """Every live descendant of ``root`` that looks like a rank or a launcher of ranks:
     :func:`rank_processes` plus torchrun agents, their ranks and ``python -m mgtutorial`` jobs."""
-    return _descendants(root, lambda p: _forked(p) or is_rank_cmdline(p.cmdline()))
+
+    def keep(p: psutil.Process) -> bool:
+        return not _service(p) and (_forked(p) or is_rank_cmdline(p.cmdline()))
+
+    return _descendants(root, keep)
 
 
 def torchrun_processes() -> list[int]:
@@ -82,11 +107,28 @@ def non_service_children(root: psutil.Process | None = None) -> list[psutil.Proc
     """Every live descendant except multiprocessing's resource tracker and fork server (which serve
     every launch of the session and end with it); a rank forked from the server counts."""
 
-    def keep(p: psutil.Process) -> bool:
-        service = any(s in _cmdline(p) for s in SERVICES)
-        return not service or any(s in _cmdline(p.parent()) for s in SERVICES)
+    return _descendants(root, lambda p: not _service(p))
 
-    return _descendants(root, keep)
+
+def descendants_of(pids) -> list[psutil.Process]:
+    """Every live process started (directly or not) by one of ``pids``: what ranks left behind."""
+    found = []
+    for pid in pids:
+        try:
+            found += _descendants(psutil.Process(pid), lambda p: True)
+        except psutil.Error:
+            pass  # that rank has already ended
+    return found
+
+
+def kill(processes: list[psutil.Process], timeout_s: float = 5.0) -> None:
+    """SIGKILL each of ``processes`` still there, and wait up to ``timeout_s`` s for them to end."""
+    for p in processes:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass  # already ended
+    psutil.wait_procs(processes, timeout=timeout_s)
 
 
 def survivors(procs: list[psutil.Process], grace_s: float = 5.0) -> list[psutil.Process]:

@@ -18,6 +18,7 @@ Files in a run directory::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -38,7 +39,8 @@ _SECONDARY_MARKERS = (
 
 
 def run_dir() -> Path:
-    """This rank's run directory: ``$MGTUTORIAL_RUN_DIR`` (set by the launcher), else ``runs/default``."""
+    """This rank's run directory: ``$MGTUTORIAL_RUN_DIR`` (set by the launcher), else
+    ``runs/default``."""
     return Path(os.environ.get(RUN_DIR_ENV, "runs/default"))
 
 
@@ -85,8 +87,8 @@ class RunLog:
     def train(
         self, *, step: int, epoch: int, loss: float, global_loss: float, samples: int, **extra
     ) -> dict:
-        """``kind="train"``: this rank's ``loss`` at ``step``; ``global_loss``, the loss of the whole
-        job (the mean over ranks under data parallelism, the last stage's in a pipeline);
+        """``kind="train"``: this rank's ``loss`` at ``step``; ``global_loss``, the loss of the
+        whole job (the mean over ranks under data parallelism, the last stage's in a pipeline);
         ``samples``, the samples this rank (the pipeline, for pipelines) has trained on so far."""
         return self.write(
             kind="train",
@@ -99,7 +101,8 @@ class RunLog:
         )
 
     def eval(self, *, step: int, epoch: int, test_acc: float, test_loss: float) -> dict:
-        """``kind="eval"``: test accuracy (0–1) and mean test loss after ``step``, epoch ``epoch``."""
+        """``kind="eval"``: test accuracy (0–1) and mean test loss after ``step``, in epoch
+        ``epoch``."""
         return self.write(
             kind="eval", step=step, epoch=epoch, test_acc=test_acc, test_loss=test_loss
         )
@@ -231,12 +234,14 @@ def read_run(directory: str | os.PathLike) -> list[dict]:
 
 
 def is_secondary(message: str) -> bool:
-    """True for errors a rank gets because a *peer* died (closed connection, store gone, SIGTERM)."""
+    """True for errors a rank gets because a *peer* died (closed connection, store gone,
+    SIGTERM)."""
     return any(marker in message for marker in _SECONDARY_MARKERS)
 
 
 def write_error(exc: BaseException, directory: str | os.PathLike | None = None) -> Path:
-    """Record this rank's exception in ``rank<r>.error.json`` (first error wins; later calls keep it).
+    """Record this rank's exception in ``rank<r>.error.json`` (the first error wins: later calls
+    keep it).
 
     Fields: rank, type, message, traceback, time (unix s, taken now, before any teardown),
     secondary (see :func:`is_secondary`).
@@ -246,18 +251,10 @@ def write_error(exc: BaseException, directory: str | os.PathLike | None = None) 
     path = rank_file(d, _rank(), "error.json")
     if path.exists():
         return path
-    text = f"{type(exc).__name__}: {exc}"
-    _atomic_write_json(
-        path,
-        {
-            "rank": _rank(),
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "traceback": "".join(traceback.format_exception(exc)),
-            "time": time.time(),
-            "secondary": is_secondary(text),
-        },
-    )
+    kind, text = type(exc).__name__, "".join(traceback.format_exception(exc))
+    secondary = is_secondary(f"{kind}: {exc}")
+    record = {"rank": _rank(), "type": kind, "message": str(exc), "traceback": text}
+    _atomic_write_json(path, {**record, "time": time.time(), "secondary": secondary})
     return path
 
 
@@ -266,20 +263,10 @@ def write_config(
 ) -> Path:
     """Write ``<run dir>/config.json``: the worker (``module:name``), ranks, backend and the config
     dataclass (or None)."""
-    import dataclasses
-
+    config = dataclasses.asdict(cfg) if cfg is not None else None
+    record = {"worker": worker_ref, "nprocs": nprocs, "backend": backend, "config": config}
     path = Path(directory) / "config.json"
-    path.write_text(
-        json.dumps(
-            {
-                "worker": worker_ref,
-                "nprocs": nprocs,
-                "backend": backend,
-                "config": dataclasses.asdict(cfg) if cfg is not None else None,
-            },
-            indent=2,
-        )
-    )
+    path.write_text(json.dumps(record, indent=2))
     return path
 
 

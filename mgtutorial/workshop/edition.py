@@ -10,10 +10,11 @@ holding ``BEGIN SOLUTION`` and one holding ``END SOLUTION`` (``# BEGIN SOLUTION`
   keeps as a comment after the solution);
 * clears the outputs of every cell from the ``## Exercises`` heading on, and of any other cell that
   held a solution;
-* drops the ``# NBVAL_CHECK_OUTPUT`` lines of those cells (they are for the instructor edition's tests).
+* drops the ``# NBVAL_CHECK_OUTPUT`` lines of those cells (they are for the instructor edition's
+  tests).
 
 The same rules apply to ``.py`` files under ``notebooks/exercises/``. Run ``make student`` (or
-``python -m mgtutorial.exercises.edition --src notebooks --out student``). Taught in: WORKSHOP.md.
+``python -m mgtutorial.workshop.edition --src notebooks --out student``). Taught in: WORKSHOP.md.
 """
 
 from __future__ import annotations
@@ -87,17 +88,19 @@ def student_notebook(nb, where: str = "notebook"):
 
 
 def make_student(src: str | Path = "notebooks", out: str | Path = "student") -> list[Path]:
-    """Write the student edition of every notebook in ``src`` (and of ``src/exercises/``) to ``out``.
+    """Write the student edition of every notebook in ``src`` (and of ``src/exercises/``) to
+    ``out``.
 
     ``out`` is a folder of its own: new, or one this function wrote before (it holds the file
-    :data:`MARKER`). Every file is built in memory first, so a malformed solution leaves ``out`` as it
-    was. A previous edition is not deleted: it is moved to ``<out>-previous-<time>`` (``-2``, ``-3`` ...
-    appended when that name is taken), so work the learners did in it is kept. Returns the files written.
+    :data:`MARKER`). Every file is built in memory first, so a malformed solution leaves ``out``
+    as it was. A previous edition is not deleted: it is moved to ``<out>-previous-<time>``
+    (``-2``, ``-3`` ... appended when that name is taken), so work the learners did in it is
+    kept. Returns the files written.
 
     Raises:
-        ValueError: ``src`` holds no notebook; ``out`` is ``src``, contains it or the current folder,
-            or exists without being an earlier student edition (a file, or a folder of something
-            else); a solution block is malformed (names the file and cell).
+        ValueError: ``src`` holds no notebook; ``out`` is ``src``, contains it or the current
+            folder, or exists without being an earlier student edition (a file, or a folder of
+            something else); a solution block is malformed (names the file and cell).
         OSError: a file cannot be read or written.
     """
     src, out = Path(src).resolve(), Path(out).resolve()
@@ -126,9 +129,7 @@ def make_student(src: str | Path = "notebooks", out: str | Path = "student") -> 
         out.rename(kept)
         print(f"the previous edition, with any work done in it, was moved to {kept.name}/")
     out.mkdir(parents=True)
-    (out / MARKER).write_text(
-        "written by python -m mgtutorial.exercises.edition; safe to replace\n"
-    )
+    (out / MARKER).write_text("written by python -m mgtutorial.workshop.edition; safe to replace\n")
     written = []
     for rel, content in edition.items():
         target = out / rel
@@ -142,7 +143,8 @@ def make_student(src: str | Path = "notebooks", out: str | Path = "student") -> 
 
 
 def _edition(src: Path) -> dict[Path, str | Path]:
-    """Every file of the student edition, built in memory: relative path -> text (or the file to copy).
+    """Every file of the student edition, built in memory: relative path -> text (or the file to
+    copy).
 
     Building it all before writing anything means a malformed solution block is refused while the
     previous edition is still in place.
@@ -154,11 +156,8 @@ def _edition(src: Path) -> dict[Path, str | Path]:
     for path in sorted((src / "exercises").rglob("*")) if (src / "exercises").is_dir() else []:
         if path.is_file() and "__pycache__" not in path.parts:
             rel = path.relative_to(src)
-            edition[rel] = (
-                strip_solutions(path.read_text(), where=str(rel))[0]
-                if path.suffix == ".py"
-                else path
-            )
+            code = path.suffix == ".py"
+            edition[rel] = strip_solutions(path.read_text(), where=str(rel))[0] if code else path
     return edition
 
 
@@ -173,7 +172,7 @@ def _free_name(path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mgtutorial.exercises.edition",
+        prog="python -m mgtutorial.workshop.edition",
         description="Write the student edition of the notebooks.",
     )
     parser.add_argument(
@@ -182,16 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         default="student",
-        help="where to write it (default: student; an earlier edition there is moved aside, not deleted)",
+        help="where to write it (default: student; an earlier edition there is moved aside, "
+        "not deleted)",
     )
     args = parser.parse_args(argv)
     try:
         written = make_student(args.src, args.out)
     except (ValueError, OSError) as exc:
         parser.exit(1, f"error: {exc}\n")
-    print(
-        f"student edition: {len(written)} files in {args.out}/ (solutions removed, exercise outputs cleared)"
-    )
+    what = "solutions removed, exercise outputs cleared"
+    print(f"student edition: {len(written)} files in {args.out}/ ({what})")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The package rows of the laptop check (:mod:`mgtutorial.workshop.laptop_check`, ``python -m mgtutorial check``).
+"""The package rows of the laptop check (:mod:`mgtutorial.workshop.laptop_check`,
+``python -m mgtutorial check``), and the :class:`Row` every check returns.
 
 Described in WORKSHOP.md ("The morning check"). The Python version and each required package against
 pyproject.toml (the test extra included: nbval runs the notebooks): installed, in its version range,
@@ -15,38 +16,39 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal, get_args
 
-PASS, WARN, FAIL, INFO = "pass", "WARN", "FAIL", "info"
-EXTRAS = (
-    "test",
-)  # optional dependencies a workshop needs (nbval); e2e's browser driver is not one
-IMPORTED = (
-    "torch",
-    "torchvision",
-    "ipywidgets",
-    "matplotlib",
-    "psutil",
-)  # imported too (the name is the module's)
+Status = Literal["pass", "WARN", "FAIL", "info"]
+"""A row's result: passed, a warning (the course still runs), failed, or information only."""
+PASS, WARN, FAIL, INFO = get_args(Status)
+EXTRAS = ("test",)
+"""The optional dependencies a workshop needs (nbval); e2e's browser driver is not one."""
+IMPORTED = ("torch", "torchvision", "ipywidgets", "matplotlib", "psutil")
+"""The packages whose import is tried too (each package's name is its module's)."""
 
 
 @dataclasses.dataclass
 class Row:
-    """One check's outcome: ``status`` is "pass" | "WARN" | "FAIL" | "info"; ``fix`` says what to do."""
+    """One check's outcome: ``name``, ``status``, ``detail`` (what was found) and ``fix`` (what to
+    do, shown for a failure or a warning)."""
 
     name: str
-    status: str
+    status: Status
     detail: str
     fix: str = ""
 
 
 def pip_fix(spec: str, reinstall: bool = False) -> str:
-    """The install command a fix line prints, for this interpreter, online and from a wheel folder."""
+    """The install command a fix line prints, for this interpreter, online and from a wheel
+    folder."""
     again = "--force-reinstall " * reinstall
-    return f"{Path(sys.executable).name} -m pip install {again}'{spec}'  (offline: add --no-index --find-links wheels)"
+    offline = "(offline: add --no-index --find-links wheels)"
+    return f"{Path(sys.executable).name} -m pip install {again}'{spec}'  {offline}"
 
 
 def _packaging():
-    """packaging's ``(Requirement, SpecifierSet)``; pip's own copy where packaging is not installed."""
+    """packaging's ``(Requirement, SpecifierSet)``; pip's own copy where packaging is not
+    installed."""
     try:
         from packaging.requirements import Requirement
         from packaging.specifiers import SpecifierSet
@@ -57,9 +59,9 @@ def _packaging():
 
 
 def requirements() -> tuple[str, list]:
-    """``(requires-python, [packaging Requirement, …])``: the project's dependencies and :data:`EXTRAS`,
-    from pyproject.toml beside the package when there is one (Python ≥ 3.11), else from the
-    installed distribution's metadata."""
+    """``(requires-python, [packaging Requirement, …])``: the project's dependencies and
+    :data:`EXTRAS`, from pyproject.toml beside the package when there is one (Python ≥ 3.11), else
+    from the installed distribution's metadata."""
     Requirement = _packaging()[0]
 
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
@@ -106,8 +108,9 @@ for name in sys.argv[1:]:
 
 
 def import_errors(names: list[str], timeout_s: float = 25.0) -> dict[str, str]:
-    """``{name: why}`` for each module of ``names`` that does not import, tried one after another in a
-    fresh interpreter (``sys.executable``): a raised exception, or the interpreter crashing or hanging."""
+    """``{name: why}`` for each module of ``names`` that does not import, tried one after another
+    in a fresh interpreter (``sys.executable``): a raised exception, or the interpreter crashing or
+    hanging (over ``timeout_s`` seconds for all)."""
     if not names:
         return {}
     try:
@@ -118,9 +121,8 @@ def import_errors(names: list[str], timeout_s: float = 25.0) -> dict[str, str]:
             timeout=timeout_s,
         )
         stdout, end = out.stdout, f"importing it ended Python with exit code {out.returncode}"
-    except (
-        subprocess.TimeoutExpired
-    ) as exc:  # run() has killed it; what it kept is bytes (str on Windows)
+    except subprocess.TimeoutExpired as exc:
+        # run() has killed it; what it kept is bytes (str on Windows)
         kept = exc.stdout or ""
         stdout = kept.decode(errors="replace") if isinstance(kept, bytes) else kept
         end = f"importing it took over {timeout_s:g} s"
@@ -130,18 +132,15 @@ def import_errors(names: list[str], timeout_s: float = 25.0) -> dict[str, str]:
         if line.startswith("imported ")
     )
     untried = [n for n in names if n not in done]  # the first one stopped the interpreter
-    return {
-        **{n: why for n, why in done.items() if why},
-        **{
-            n: end if n == untried[0] else f"not tried ({untried[0]} stopped Python)"
-            for n in untried
-        },
-    }
+    errors = {n: why for n, why in done.items() if why}
+    for n in untried:
+        errors[n] = end if n == untried[0] else f"not tried ({untried[0]} stopped Python)"
+    return errors
 
 
 def check_package(req, import_error: str = "") -> Row:
-    """One required package: installed (``importlib.metadata.version``), within its version range, and,
-    given ``import_error`` (from :func:`import_errors`), importable."""
+    """One required package: installed (``importlib.metadata.version``), within its version
+    range, and, given ``import_error`` (from :func:`import_errors`), importable."""
     # lower bounds first, as pyproject.toml writes them (packaging sorts them as text)
     want = ",".join(sorted(map(str, req.specifier), key=lambda s: s[0] == "<")) or "any version"
     try:

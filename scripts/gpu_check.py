@@ -1,4 +1,5 @@
-"""Every CUDA-only path of the course in one run: ``make gpu-check`` (or ``python scripts/gpu_check.py``).
+"""Every CUDA-only path of the course in one run: ``make gpu-check``
+(or ``python scripts/gpu_check.py``).
 
 Each item (see ``scripts/gpu_check_items.py``) runs in its own process with a time limit; the
 report goes to ``gpu-check/report.json`` and ``gpu-check/report.md``: the GPUs, the torch / CUDA /
@@ -115,7 +116,8 @@ def versions() -> dict:
 def select(
     items: list[Item], gpus: int, only: list[str] | None = None, device: str = "cuda"
 ) -> list[tuple[Item, str | None]]:
-    """Pair each item to run with None, or with the reason it is skipped on a machine with ``gpus`` GPUs.
+    """Pair each item to run with None, or with the reason it is skipped on a machine with
+    ``gpus`` GPUs.
 
     ``only``: item names to keep (in the registry's order); ``device="cpu"`` (the dry run) runs
     every item whatever the GPUs.
@@ -175,7 +177,8 @@ def run_item(
     The entry has ``name, chapter, min_gpus, what, status`` ("passed" | "failed" | "skipped"),
     ``duration_s``, ``figures`` and, when it did not pass, ``error`` or ``reason`` and ``log_tail``.
     A process that outlives ``timeout_s`` (default ``it.timeout_s``) is killed with everything it
-    started, and the item fails with "timed out after … s". Output goes to ``out_dir/logs/<name>.log``.
+    started, and the item fails with "timed out after … s". Output goes to
+    ``out_dir/logs/<name>.log``.
     """
     timeout_s = it.timeout_s if timeout_s is None else timeout_s
     logs, work = out_dir / "logs", out_dir / "work" / it.name
@@ -237,7 +240,7 @@ def run_item(
 
 
 def child(target: str, device: str, gpus: int, workdir: Path, result: Path) -> int:
-    """Inside an item's process: run ``target`` ("module:function") and write its outcome as JSON."""
+    """Inside an item's process: run ``target`` ("module:function"), write its outcome as JSON."""
     os.environ.update(NO_TF32)  # before CUDA starts: fp32 means fp32 in every comparison and timing
     module, name = target.split(":")
     try:
@@ -272,7 +275,8 @@ def _table(rows: list[dict]) -> list[str]:
 
 
 def render_markdown(report: dict) -> str:
-    """The report as Markdown: machine and versions, one summary row per item, then each item's figures."""
+    """The report as Markdown: machine and versions, one summary row per item, then each item's
+    figures."""
     v = report["versions"]
     gpus = ", ".join(f"{g['name']} ({g['memory_GiB']} GiB)" for g in v["gpus"]) or "none"
     counts = report["summary"]
@@ -283,7 +287,8 @@ def render_markdown(report: dict) -> str:
         f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped",
         "",
         f"* GPUs ({v['gpu_count']}): {gpus}",
-        f"* torch {v['torch']}, CUDA {v['cuda']}, cuDNN {v['cudnn']}, NCCL {v['nccl']}, driver {v['driver']}",
+        f"* torch {v['torch']}, CUDA {v['cuda']}, cuDNN {v['cudnn']}, NCCL {v['nccl']}, "
+        f"driver {v['driver']}",
         f"* python {v['python']} on {v['platform']}",
         "",
         "| item | chapter | GPUs | status | s | note |",
@@ -450,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=it.timeout_s * args.timeout_scale,
             )
         print(
-            f"{it.name:26} {entry['status']:8} {entry.get('error') or entry.get('reason') or ''}".rstrip(),
+            f"{it.name:26} {entry['status']:8} "
+            f"{entry.get('error') or entry.get('reason') or ''}".rstrip(),
             flush=True,
         )
         entries.append(entry)
@@ -469,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     report["duration_s"] = round(time.monotonic() - t0, 1)
     js, md = write_report(report, args.out)
     print(
-        f"{report['summary']} → {md.relative_to(ROOT) if md.is_relative_to(ROOT) else md}, {js.name}"
+        f"{report['summary']} → {md.relative_to(ROOT) if md.is_relative_to(ROOT) else md}, "
+        f"{js.name}"
     )
     failed = report["summary"]["failed"] + sum(
         nb["status"] == "failed" for nb in report.get("notebooks", [])

@@ -153,7 +153,8 @@ def _allocated(device: torch.device) -> int | None:
 
 
 def _run(worker, cfg, nprocs: int, w: Where, timeout_s: float = 120.0) -> RunResult:
-    """``launch(worker, cfg, nprocs)`` into the item's work directory, waited for; stopped on error."""
+    """``launch(worker, cfg, nprocs)`` into the item's work directory, waited for; stopped on
+    error."""
     run = launch(worker, cfg, nprocs, runs_dir=w.workdir / "runs", extra_env=NO_TF32)
     try:
         return run.wait(timeout=timeout_s)
@@ -788,7 +789,8 @@ def sync_gradients(model, ctx):
     chapter="06b_article_model_parallel",
     min_gpus=2,
     timeout_s=120,
-    what="exercise 06b.1's checker on its solution, backend auto (NCCL on 2 GPUs): CUDA checkpoints, CPU reference",
+    what="exercise 06b.1's checker on its solution, backend auto (NCCL on 2 GPUs): "
+    "CUDA checkpoints, CPU reference",
 )
 def exercise_06b1_nccl(w: Where) -> dict:
     import contextlib

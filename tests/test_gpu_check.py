@@ -130,7 +130,10 @@ def test_run_item_times_out_and_kills_everything_it_started(tmp_path, fakes, no_
 
 @pytest.mark.timeout(60)
 def test_kill_group_ends_grandchildren(no_leftovers):
-    code = "import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); print(p.pid, flush=True); time.sleep(60)"
+    code = (
+        "import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); "
+        "print(p.pid, flush=True); time.sleep(60)"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -231,7 +234,8 @@ def test_notebooks_without_cuda_are_skipped_and_nothing_is_written(tmp_path):
     [pytest.param(n, marks=pytest.mark.timeout(4 * it.timeout_s + 60)) for n, it in ITEMS.items()],
 )
 def test_dry_run_on_cpu(name, tmp_path, no_leftovers):
-    """The item's code on CPU with gloo (2 ranks where it takes all GPUs): no typos, no API misuse."""
+    """The item's code on CPU with gloo (2 ranks where it takes all GPUs): no typos, no API
+    misuse."""
     it = ITEMS[name]
     entry = gpu_check.run_item(
         it, device="cpu", gpus=0, out_dir=tmp_path, timeout_s=4 * it.timeout_s

@@ -1,4 +1,5 @@
-"""The package's shape (DESIGN.md, "Rules of the shape"), checked on the source, not by importing it.
+"""The package's shape (DESIGN.md, "Rules of the shape"), checked on the source, not by importing
+it.
 
 - no import cycles between the modules of ``mgtutorial/`` (deferred imports inside functions count:
   a cycle hidden in a function is still a cycle);

@@ -63,3 +63,18 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext mgtutorial``: the ``%ranks`` / ``%%ranks`` magics
+    (:mod:`mgtutorial.runtime.ranks_magic`), imported only now (they load torch)."""
+    from mgtutorial.runtime import ranks_magic
+
+    ranks_magic.load_ipython_extension(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext mgtutorial``: stops this kernel's pool of ranks."""
+    from mgtutorial.runtime import ranks_magic
+
+    ranks_magic.unload_ipython_extension(ipython)

@@ -11,7 +11,7 @@ challenge of a key that only this pool's ranks hold; a second kernel has its own
 Messages, each a tuple; ``n`` numbers the kernel's requests, so that a late answer to one is never
 taken for the answer to another:
 
-- kernel → rank: ``("exec", n, source, label)``, ``("pull", n, name)``, ``("stack", n)``,
+- kernel → rank: ``("exec", n, source)``, ``("pull", n, name)``, ``("stack", n)``,
   ``("interrupt", n)``, ``("stop",)``;
 - rank → kernel: ``("ready", rank, pid, device)`` once, ``("done", n, reply)``,
   ``("value", n, pickled, why_not)``, ``("stack", n, rank, text)``.

@@ -105,8 +105,7 @@ class RanksMagics(Magics):
         if not self.pool.up:
             self._start(None)
         try:
-            label = f"In[{self.shell.execution_count}]"
-            outcome = self.pool.run_cell(cell, parse_ranks(args.ranks), args.timeout, label)
+            outcome = self.pool.run_cell(cell, parse_ranks(args.ranks), args.timeout)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         if not outcome.empty:

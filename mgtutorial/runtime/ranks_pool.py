@@ -125,15 +125,9 @@ class RankPool:
         return "Since the last cell, the pool's ranks ended."
 
     def run_cell(
-        self,
-        source: str,
-        ranks: list[int] | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        label: str | None = None,
+        self, source: str, ranks: list[int] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
     ) -> CellOutcome:
         """Run ``source`` on ``ranks`` (default: all); wait at most ``timeout_s`` seconds.
-
-        ``label`` names the cell in tracebacks (``<ranks cell In[3]>``; default: a serial number).
 
         A rank that raised reports its traceback, the others their outputs. Ranks still running at
         the limit report where they wait, and ranks whose process ended are named; then the pool
@@ -155,8 +149,7 @@ class RankPool:
         self._serial += 1
         cell, self.cells = self._serial, self.cells + 1
         outcome = CellOutcome({r: RankOutput(r) for r in ranks}, note=before, timeout_s=timeout_s)
-        request = ("exec", cell, source, label or str(cell))
-        pending = {r for r in ranks if self._channel.send(r, request)}
+        pending = {r for r in ranks if self._channel.send(r, ("exec", cell, source))}
         for r in set(ranks) - pending:
             _died(outcome.ranks[r])
         try:

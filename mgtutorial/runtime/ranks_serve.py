@@ -121,25 +121,25 @@ class CellServer:
                     return
 
     def loop(self) -> None:
-        """Serve the inbox: ``("exec", n, source, label)``, ``("pull", n, name)``, ``("stop",)``."""
+        """Serve the inbox: ``("exec", n, source)``, ``("pull", n, name)``, ``("stop",)``."""
         while True:
             message = self.inbox.get()
             if message[0] == "stop":
                 return
             if message[0] == "exec":
-                self.send(("done", message[1], self.run_cell(message[1], *message[2:])))
+                self.send(("done", message[1], self.run_cell(message[1], message[2])))
             elif message[0] == "pull":
                 self.send(("value", message[1], *self.pull(message[2])))
 
-    def run_cell(self, cell: int, source: str, label: str) -> dict:
-        """Run ``source`` (request ``cell``) in this rank's namespace, its file named after
-        ``label`` in tracebacks; return what it printed, its value or error.
+    def run_cell(self, cell: int, source: str) -> dict:
+        """Run ``source`` (request number ``cell``, its file ``<ranks cell N>`` in tracebacks) in
+        this rank's namespace; return what it printed, its value or error.
 
         Keys: stdout, stderr (str), value (the last expression's ``pprint`` text, or None),
         error (the traceback from the cell's own frames on, or None), error_type.
         """
         self.cells += 1
-        filename = CELL_FILE.format(label)
+        filename = CELL_FILE.format(cell)
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         out, err = io.StringIO(), io.StringIO()
         reply = {"value": None, "error": None, "error_type": None}

@@ -291,3 +291,102 @@ def test_stop_and_restart_leave_no_rank_behind(ip):
     for bad in ("start x", "pull", "launch"):
         with pytest.raises(UsageError):
             ip.run_line_magic("ranks", bad)
+
+
+# ---- in real kernels, as JupyterLab starts them ------------------------------------------------
+
+
+@pytest.fixture
+def kernels(tmp_path):
+    """Starts IPython kernels in ``tmp_path`` (jupyter_client, the python3 kernel of this
+    environment); each is killed at the end if a test left it running."""
+    from jupyter_client.manager import KernelManager
+
+    started = []
+
+    def start():
+        km = KernelManager(kernel_name="python3")
+        km.start_kernel(cwd=str(tmp_path))
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=120)
+        started.append((km, kc))
+        return km, kc
+
+    yield start
+    for km, kc in started:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+
+
+def collect(kc, msg_id: str, timeout: float = 200) -> tuple[dict, str, list[str]]:
+    """The reply to request ``msg_id``, its text (streams, plain-text forms, error) and HTML."""
+    text, pages = [], []
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "status" and content["execution_state"] == "idle":
+            break
+        if kind == "stream":
+            text.append(content["text"])
+        elif kind in ("display_data", "execute_result"):
+            text.append(content["data"].get("text/plain", "") + "\n")
+            pages.append(content["data"].get("text/html", ""))
+        elif kind == "error":
+            text.append(f"{content['ename']}: {content['evalue']}\n")
+    while (reply := kc.get_shell_msg(timeout=30))["parent_header"].get("msg_id") != msg_id:
+        pass
+    return reply["content"], "".join(text), pages
+
+
+def execute(kc, code: str) -> tuple[dict, str, list[str]]:
+    return collect(kc, kc.execute(code))
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def test_real_kernels_have_their_own_pools_and_leave_no_process(kernels, tmp_path):
+    (km_a, a), (km_b, b) = kernels(), kernels()
+    kernel_pid, rank_pids = {}, {}
+    for name, kc in (("a", a), ("b", b)):
+        reply, text, _ = execute(kc, "%load_ext mgtutorial\n%ranks start 2\nimport os\nos.getpid()")
+        assert reply["status"] == "ok" and "2 ranks ready (backend gloo" in text, text
+        kernel_pid[name] = int(text.strip().splitlines()[-1])
+        reply, text, pages = execute(kc, "%%ranks\nimport os\nprint('pid', os.getpid())\nrank")
+        assert reply["status"] == "ok", text
+        assert "── rank 0 ──" in text and "Out: 0" in text and "── rank 1 ──" in text, text
+        assert len(re.findall(r"<th[ >]", pages[0])) == 2
+        rank_pids[name] = {int(p) for p in re.findall(r"pid (\d+)", text)}
+    assert len(rank_pids["a"]) == len(rank_pids["b"]) == 2
+    assert rank_pids["a"].isdisjoint(rank_pids["b"])  # a pool per kernel
+    processes = {name: tree(pid) for name, pid in kernel_pid.items()}
+    assert {p.pid for p in processes["b"]} >= rank_pids["b"]
+
+    # the stop button: the kernel's process group gets SIGINT, the ranks stop their cell
+    marks = [tmp_path / f"b-sleeping{r}" for r in range(2)]
+    source = f"import time\nopen({str(tmp_path)!r} + f'/b-sleeping{{rank}}', 'w').close()\n"
+    msg_id = b.execute(f"%%ranks --timeout 90\n{source}time.sleep(60)")
+    deadline = time.monotonic() + 60
+    while not all(m.exists() for m in marks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    km_b.interrupt_kernel()
+    reply, text, _ = collect(b, msg_id)
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", text
+    assert text.count("time.sleep(60)") == 2 and text.count("KeyboardInterrupt") >= 2, text
+    reply, text, _ = execute(b, "%%ranks\nprint('pid', os.getpid())")
+    assert {int(p) for p in re.findall(r"pid (\d+)", text)} == rank_pids["b"]  # the same ranks
+
+    km_a.shutdown_kernel(now=False)  # JupyterLab's "Shut Down Kernel"
+    assert not procs.survivors(processes["a"], grace_s=15)
+    km_b.restart_kernel(now=True)  # the kernel killed at once, and a new one started
+    assert not procs.survivors(processes["b"], grace_s=15)
+    b.wait_for_ready(timeout=120)
+    reply, text, _ = execute(b, "%load_ext mgtutorial\n%ranks status")
+    assert text.startswith("no pool is running"), text  # the new kernel has no pool yet

@@ -19,7 +19,9 @@ taken for the answer to another:
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import signal
 import socket
 import time
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
@@ -42,6 +44,7 @@ class Channel:
         self.port: int = self._server.getsockname()[1]
         self.conns: dict[int, Connection] = {}
         self.ready: dict[int, tuple[int, str]] = {}
+        self._interrupted = False
 
     def accept(self) -> None:
         """Wait up to 0.2 s for one rank to connect and announce itself; a connection that fails
@@ -74,16 +77,48 @@ class Channel:
         except (OSError, KeyError):
             return False
 
+    @contextlib.contextmanager
+    def whole_messages(self):
+        """Within the block, Ctrl-C (SIGINT) is noted and raised as KeyboardInterrupt by
+        :meth:`receive` between two messages, never in the middle of one (which would leave the
+        rest of it to be read as the next). Outside the main thread, where no signal handler
+        runs, nothing changes."""
+
+        def note(signum, frame) -> None:
+            self._interrupted = True
+
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            signal.signal(signal.SIGINT, note)
+        except ValueError:  # not the main thread
+            previous = None
+        try:
+            yield
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def _raise_if_interrupted(self) -> None:
+        if self._interrupted:
+            self._interrupted = False
+            raise KeyboardInterrupt
+
     def receive(
         self, n: int, ranks: set[int], until: Callable[[], float]
     ) -> Iterator[tuple[int, tuple | None]]:
         """Yield (rank, message) for the answers to request ``n`` from ``ranks``, until
         ``until()`` (a deadline on :func:`time.monotonic`, read again each time) passes or
         ``ranks`` is empty (the caller removes the ranks it is done with); (rank, None) when a
-        rank's connection closes (its process ended), which also removes it from ``ranks``."""
+        rank's connection closes (its process ended), which also removes it from ``ranks``.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C within :meth:`whole_messages`, between two messages.
+        """
         while ranks and (left := until() - time.monotonic()) > 0:
+            self._raise_if_interrupted()
             by_conn = {self.conns[r]: r for r in ranks}
             for conn in wait(list(by_conn), timeout=min(left, 0.5)):
+                self._raise_if_interrupted()
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):

@@ -152,18 +152,19 @@ class RankPool:
         pending = {r for r in ranks if self._channel.send(r, ("exec", cell, source))}
         for r in set(ranks) - pending:
             _died(outcome.ranks[r])
-        try:
-            self._collect(cell, pending, outcome, time.monotonic() + timeout_s)
-        except KeyboardInterrupt:
-            outcome.interrupted = True
-            for r in pending:
-                self._channel.send(r, ("interrupt", cell))
+        with self._channel.whole_messages():
             try:
-                self._collect(cell, pending, outcome, time.monotonic() + INTERRUPT_GRACE_S)
+                self._collect(cell, pending, outcome, time.monotonic() + timeout_s)
             except KeyboardInterrupt:
-                pass  # interrupted again: stop waiting
-        if pending:
-            self._late(cell, pending, outcome)
+                outcome.interrupted = True
+                for r in pending:
+                    self._channel.send(r, ("interrupt", cell))
+                try:
+                    self._collect(cell, pending, outcome, time.monotonic() + INTERRUPT_GRACE_S)
+                except KeyboardInterrupt:
+                    pass  # interrupted again: stop waiting
+            if pending:
+                self._late(cell, pending, outcome)
         if any(out.status in ("timeout", "died") for out in outcome.ranks.values()):
             self._how_they_died(outcome)
             outcome.note = " ".join(filter(None, [before, self._restart()]))
@@ -251,11 +252,12 @@ class RankPool:
         for r in asked:
             self._channel.send(r, ("pull", cell, name))
         deadline = time.monotonic() + timeout_s
-        for rank, message in self._channel.receive(cell, asked, lambda: deadline):
-            if message is None:
-                raise RuntimeError(f"rank {rank}'s process ended; `%ranks restart` starts anew")
-            answers[rank] = message[2:]
-            asked.discard(rank)
+        with self._channel.whole_messages():
+            for rank, message in self._channel.receive(cell, asked, lambda: deadline):
+                if message is None:
+                    raise RuntimeError(f"rank {rank}'s process ended; `%ranks restart` anew")
+                answers[rank] = message[2:]
+                asked.discard(rank)
         if asked:
             raise TimeoutError(f"ranks {sorted(asked)} did not answer within {timeout_s:g} s")
         errors = [why for _, why in answers.values() if why]

@@ -256,7 +256,7 @@ def test_a_killed_rank_is_named_and_the_pool_restarted(ip):
     assert isinstance(error, RanksFailed) and "rank 1 died" in str(error)
     rank0, rank1 = shown.data["text/plain"].split("── rank 1 ──")
     assert "died: killed by signal SIGKILL" in rank1
-    assert "Traceback" in rank0  # rank 0's all-reduce failed: its peer was gone
+    assert "Traceback" in rank0 and "site-packages" not in rank0  # its peer was gone
     assert "The pool was restarted (2 new ranks)" in shown.data["text/plain"]
     second = dict(magics(ip).pool.pids)
     assert set(second.values()).isdisjoint(first.values())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import time
+from pathlib import Path
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -147,9 +148,12 @@ class RanksMagics(Magics):
         pool = self.pool
         if not pool.up:
             return "no pool is running: `%ranks start N` or the first `%%ranks` cell starts one"
+        logs = pool.run.run_dir
+        if logs.is_relative_to(Path.cwd()):
+            logs = logs.relative_to(Path.cwd())
         lines = [
             f"{pool.nprocs} ranks, backend {pool.run.backend}, up {time.time() - pool.started:.0f}"
-            f" s, {pool.cells} cell(s) run; rank logs in {pool.run.run_dir}"
+            f" s, {pool.cells} cell(s) run; rank logs in {logs}"
         ]
         lines += [f"  rank {r}: pid {pool.pids[r]}, {pool.devices[r]}" for r in sorted(pool.pids)]
         return "\n".join(lines)

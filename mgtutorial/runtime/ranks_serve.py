@@ -28,6 +28,7 @@ import os
 import pickle
 import pprint
 import queue
+import re
 import signal
 import sys
 import threading
@@ -199,15 +200,18 @@ def clip(text: str, limit: int = MAX_STREAM_CHARS) -> str:
 
 
 def format_error(exc: BaseException, filename: str) -> str:
-    """The traceback of ``exc`` from the cell's first frame on (the serving frames left out)."""
+    """The traceback of ``exc`` from the cell's first frame on (the serving frames left out),
+    library paths shortened as in :func:`short_path`."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != filename:
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return re.sub(r'File "[^"\n]*site-packages/', 'File "', text)
 
 
 def short_path(path: str) -> str:
-    """A library file's path from its package on (``torch/distributed/distributed_c10d.py``)."""
+    """A library file's path from its package on (``torch/distributed/distributed_c10d.py``):
+    where the library is installed differs between machines and says nothing about the error."""
     return path.rsplit("site-packages/", 1)[-1]
 
 

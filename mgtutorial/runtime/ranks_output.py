@@ -17,7 +17,7 @@ DEFAULT_TIMEOUT_S = 5.0  # a cell's time limit unless --timeout says otherwise
 Status = Literal["ok", "error", "timeout", "died"]
 
 # JupyterLab's own colours where they exist (its stderr background), a light fallback elsewhere.
-_PRE = "margin:0 0 .4em 0;padding:.2em .4em;white-space:pre-wrap;overflow-wrap:anywhere"
+_PRE = "margin:0 0 .4em 0;padding:.2em .4em;white-space:pre-wrap;overflow-wrap:break-word"
 _STDERR = "background:var(--jp-rendermime-error-background,#fdd)"
 _ERROR = _STDERR + ";border-left:3px solid var(--jp-error-color1,#d32f2f)"
 _VALUE = "border-left:3px solid var(--jp-brand-color1,#1976d2)"

@@ -3,8 +3,8 @@
 The layout (README's "Layout" section has the whole tree):
 
 - ``runtime/``: the engine, which knows no lesson: rank and device (``env``), starting ranks
-  (``launcher``, ``run``), the records ranks write (``runlog``), live plots (``live``), finding a job's
-  processes (``procs``), ``%%ranks`` (``ranks_magic``).
+  (``launcher``, ``run``), the records ranks write (``runlog``), live plots (``live``), finding a
+  job's processes (``procs``), ``%%ranks`` (``ranks_magic``, ``%load_ext mgtutorial``).
 - ``common/``: what every chapter shares: configuration checks, data, models, checkpoints,
   comparisons with a single-process reference.
 - one subpackage per strategy: ``ddp`` (chapters 01–03b), ``pipeline`` (04), ``scale`` (05a–05b),

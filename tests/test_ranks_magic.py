@@ -185,6 +185,9 @@ def test_an_exception_on_one_rank_shows_its_traceback_and_the_others_outputs(ip)
     assert "rank 1 got here" in rank1
     assert re.search(r'File "<ranks cell \d+>", line 3, in <module>\n    1 / \(1 - rank\)', rank1)
     assert rank1.strip().endswith("ZeroDivisionError: division by zero")
+    from IPython.core.error import UsageError
+
+    assert isinstance(cell(ip, "2", "x")[2], UsageError)  # the pool has ranks 0 and 1
     # the pool is the same, with its variables; --no-raise shows a failure and raises nothing
     shown, _, error = cell(ip, "--no-raise", "assert rank == 0, 'not rank 0'\nx")
     assert error is None and magics(ip).pool.pids == pids

@@ -62,6 +62,11 @@ def serve(cfg: PoolConfig) -> dict:
     Returns ``{"rank": r, "cells": n}`` (cells run). Leaves at once, without the process group's
     teardown, when the kernel's connection closes (the kernel died or was restarted).
     """
+    if AUTHKEY_ENV not in os.environ:
+        raise RuntimeError(
+            "serve() is the worker of a %%ranks pool: RankPool.start launches it with the "
+            f"channel's key in {AUTHKEY_ENV}"
+        )
     authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
     with env.distributed(cfg.backend) as ctx:
         conn = Client(("127.0.0.1", cfg.port), authkey=authkey)

@@ -243,6 +243,7 @@ def test_interrupting_the_kernel_interrupts_the_ranks(ip, tmp_path):
     assert isinstance(error, KeyboardInterrupt)
     for part in shown.data["text/plain"].split("── rank ")[1:]:
         assert "time.sleep(60)" in part and part.strip().endswith("KeyboardInterrupt"), part
+        assert "ranks_serve" not in part  # the rank's interrupt handler is not the learner's
     assert magics(ip).pool.pids == pids  # the ranks were interrupted, not replaced
     shown, _, error = cell(ip, "", "rank")
     assert error is None and "Out: 1" in shown.data["text/plain"]

@@ -205,13 +205,16 @@ def clip(text: str, limit: int = MAX_STREAM_CHARS) -> str:
 
 
 def format_error(exc: BaseException, filename: str) -> str:
-    """The traceback of ``exc`` from the cell's first frame on (the serving frames left out),
-    library paths shortened as in :func:`short_path`."""
+    """The traceback of ``exc`` from the cell's first frame on, without this module's frames (the
+    serving loop, the interrupt handler), library paths shortened as in :func:`short_path`."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != filename:
         tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    return re.sub(r'File "[^"\n]*site-packages/', 'File "', text)
+    report = traceback.TracebackException(type(exc), exc, tb)
+    report.stack = traceback.StackSummary.from_list(
+        [frame for frame in report.stack if frame.filename != __file__]
+    )
+    return re.sub(r'File "[^"\n]*site-packages/', 'File "', "".join(report.format()))
 
 
 def short_path(path: str) -> str:

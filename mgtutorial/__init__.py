@@ -4,7 +4,8 @@ The layout (README's "Layout" section has the whole tree):
 
 - ``runtime/``: the engine, which knows no lesson: rank and device (``env``, ``machine``),
   starting ranks (``launcher``, ``run``, ``failure``), the records ranks write (``runlog``), live
-  plots (``live``), finding a job's processes (``procs``).
+  plots (``live``), finding a job's processes (``procs``), ``%%ranks`` (``ranks_magic``,
+  ``%load_ext mgtutorial``).
 - ``common/``: what every chapter shares: configuration checks, data, models, checkpoints,
   comparisons with a single-process reference.
 - one subpackage per strategy: ``ddp`` (chapters 01–03b), ``pipeline`` (04), ``scale`` (05a–05b),
@@ -63,3 +64,18 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext mgtutorial``: the ``%ranks`` / ``%%ranks`` magics
+    (:mod:`mgtutorial.runtime.ranks_magic`), imported only now (they load torch)."""
+    from mgtutorial.runtime import ranks_magic
+
+    ranks_magic.load_ipython_extension(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext mgtutorial``: stops this kernel's pool of ranks."""
+    from mgtutorial.runtime import ranks_magic
+
+    ranks_magic.unload_ipython_extension(ipython)

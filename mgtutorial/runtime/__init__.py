@@ -13,4 +13,6 @@ It knows no lesson: nothing here imports a chapter's subpackage (tests/test_layo
 - ``runlog``: the record schema (one writer per kind) and the incremental reader
 - ``live``: live plot, progress bar and loss figure, drawn from records only
 - ``procs``: a job's processes (the launcher, the notebooks' last cells and the tests share it)
+- ``ranks_magic`` (``%%ranks``), ``ranks_pool``, ``ranks_serve``, ``ranks_channel``,
+  ``ranks_output``: a pool of ranks that runs notebook cells, for exploring collectives
 """

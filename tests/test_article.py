@@ -48,6 +48,7 @@ def test_flatten_4608_fails_or_silently_makes_wrong_rows():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_ddp_device_ids_with_cpu_module_and_the_fix(runs, no_leftovers):
     values = _flaw("device_ids", runs)
     for r, v in values.items():
@@ -89,6 +90,7 @@ def test_no_destroy_leaves_the_group_up(runs, no_leftovers):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_rank_equals_gpu_index_collides_on_two_nodes(runs, no_leftovers):
     run = launch(
         A.rank_from_gpu_worker, A.RankConfig(gpus_per_node=1, timeout_s=5), 2, runs_dir=runs
@@ -109,6 +111,7 @@ def test_rank_equals_gpu_index_collides_on_two_nodes(runs, no_leftovers):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_world_size_gpus_times_subnets_waits_for_ranks_that_never_come(runs, no_leftovers):
     cfg = A.RankConfig(
         use_local_rank_as_rank=False, claimed_world_size=6, gpus_per_node=2, timeout_s=4
@@ -117,6 +120,7 @@ def test_world_size_gpus_times_subnets_waits_for_ranks_that_never_come(runs, no_
         launch(A.rank_from_gpu_worker, cfg, 3, runs_dir=runs).wait(timeout=60)
 
 
+@pytest.mark.slow
 def test_env_init_without_master_addr_and_set_start_method_twice():
     init = "import torch.distributed as dist\ndist.init_process_group('gloo', init_method='env://', rank=0, world_size=2)"
     assert "MASTER_ADDR expected, but not set" in A.last_error_line(init)

@@ -37,6 +37,7 @@ def _check_run_dir(run_dir: Path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_cli_launches_locally(runs, no_leftovers):
     out = subprocess.run(
         [sys.executable, "-m", "mgtutorial", *ARGS, "--nproc", "2", "--runs-dir", str(runs)],
@@ -52,6 +53,7 @@ def test_cli_launches_locally(runs, no_leftovers):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_cli_under_torchrun_does_not_launch_again(runs, no_leftovers):
     torchrun = Path(sys.executable).with_name("torchrun")
     out = subprocess.run(
@@ -90,6 +92,7 @@ def test_cli_bad_dataset_is_refused():
     assert out.returncode == 2 and "invalid choice" in out.stderr
 
 
+@pytest.mark.slow
 def test_cli_refuses_missing_cifar10_before_any_rank(tmp_path):
     out = subprocess.run(
         [
@@ -172,6 +175,7 @@ def test_options_set_config_fields():
         ),
     ],
 )
+@pytest.mark.slow
 def test_cli_hello_and_pipeline(argv, expect, runs, no_leftovers):
     out = subprocess.run(
         [sys.executable, "-m", "mgtutorial", *argv, "--runs-dir", str(runs)],
@@ -184,6 +188,7 @@ def test_cli_hello_and_pipeline(argv, expect, runs, no_leftovers):
     assert expect in out.stdout
 
 
+@pytest.mark.slow
 def test_cli_describe():
     out = subprocess.run(
         [sys.executable, "-m", "mgtutorial", "describe"],

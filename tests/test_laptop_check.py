@@ -65,6 +65,7 @@ def _env(**extra):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_cli_exits_0_here_and_a_missing_cifar10_is_only_a_warning(tmp_path, no_leftovers):
     out = subprocess.run(
         [
@@ -99,6 +100,7 @@ def test_cli_exits_0_here_and_a_missing_cifar10_is_only_a_warning(tmp_path, no_l
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_missing_and_too_old_packages_fail_with_a_pip_command(monkeypatch, capsys, no_leftovers):
     real = metadata.version
 
@@ -121,6 +123,7 @@ def test_missing_and_too_old_packages_fail_with_a_pip_command(monkeypatch, capsy
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_taken_port_fails_the_port_and_the_rank_check(capsys, no_leftovers):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
@@ -155,6 +158,7 @@ def test_bad_nprocs_is_refused_before_any_process_starts():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_missing_widget_front_end_fails_and_a_present_one_passes(tmp_path, capsys, no_leftovers):
     code, rows = check(capsys, jupyter_path=[str(tmp_path)])
     assert code == 1 and [k for k, v in rows.items() if v[0] == "FAIL"] == ["widgets"]
@@ -195,6 +199,7 @@ def test_an_unknown_python_fails(monkeypatch):
     assert (row.status, row.detail) == ("FAIL", "3.9.18, but the course needs >=3.10")
 
 
+@pytest.mark.slow
 def test_a_check_that_breaks_becomes_a_fail_row_and_the_others_still_run(monkeypatch):
     monkeypatch.setattr(lc, "check_gpu", lambda: 1 / 0)
     monkeypatch.setattr(
@@ -251,6 +256,7 @@ def _fake_package(root, name: str, body: str):
         ),
     ],
 )
+@pytest.mark.slow
 def test_a_package_that_does_not_import_is_a_fail_row_with_its_fix_not_a_traceback(
     tmp_path, broken, error, dependents, no_leftovers
 ):
@@ -294,6 +300,7 @@ def test_a_package_that_does_not_import_is_a_fail_row_with_its_fix_not_a_traceba
     assert rows["python"][0] == rows["port"][0] == rows["disk"][0] == "pass"
 
 
+@pytest.mark.slow
 def test_import_mgtutorial_and_the_check_command_load_neither_torch_nor_psutil():
     code = """if True:
         import sys, mgtutorial
@@ -335,6 +342,7 @@ def test_an_import_that_crashes_python_fails_that_module_and_the_rest_untried(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_an_import_that_hangs_is_stopped_and_fails(tmp_path, monkeypatch):
     _fake_package(tmp_path, "hangs_on_import", "import time\ntime.sleep(600)\n")
     monkeypatch.setenv(
@@ -356,6 +364,7 @@ def test_a_package_that_does_not_import_fails_with_a_reinstall(monkeypatch):
     assert "pip install --force-reinstall 'psutil>=5.9'" in row.fix
 
 
+@pytest.mark.slow
 def test_a_check_whose_import_fails_names_the_package_and_its_install(monkeypatch):
     def gpu():
         raise ModuleNotFoundError("No module named 'torch'", name="torch")

@@ -1,5 +1,6 @@
 """Shared fixtures: a run directory per test, the no-leftover-process check, and a check that no
-test leaves the variables that steer a run changed (later tests and notebook kernels inherit them)."""
+test leaves the variables that steer a run changed (later tests and notebook kernels inherit
+them)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ status the controller does not read: a worker hands its survivors to the control
 (``config.workeroutput``), and the controller's session fails and lists them.
 
 nbval executes a notebook's cells in order in one kernel, so a notebook's cells must stay on one
-worker: they are put in one ``xdist_group`` (``--dist loadgroup``) named after the notebook.
+worker, in order: under ``-n`` (xdist's ``--dist load``) each notebook is one unit of work and every
+other test a unit of its own (:class:`NotebookScheduling`), notebooks first (the longest units).
 """
 
 from __future__ import annotations
@@ -37,14 +38,27 @@ def _is_notebook_cell(item) -> bool:
     return str(item.path).endswith(".ipynb")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the items
 def pytest_collection_modifyitems(config, items):
-    grouped = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if _is_notebook_cell(item):
             item.add_marker(pytest.mark.slow)
-            if grouped:
-                item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown without it
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "load":
+        return None  # another --dist asked for: xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class NotebookScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling with a notebook (all its cells) or a single test as the unit:
+        units with more items go first (xdist's ``--loadscope-reorder``), so the notebooks do."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path.endswith(".ipynb") else nodeid
+
+    return NotebookScheduling(config, log)
 
 
 def pytest_runtest_teardown(item, nextitem):

@@ -28,17 +28,45 @@ demo: $(STAMP)  ## the headless main job: DDP on 2 ranks, progress, final accura
 check: $(STAMP)  ## the laptop check for the morning of a workshop (WORKSHOP.md): a pass/fail table, exit 1 on a failure
 	$(PY) -m mgtutorial check
 
-test: $(STAMP) chromium  ## unit + multi-rank + end-to-end (JupyterLab in Chromium) tests, then every notebook under nbval
-	$(PY) -m pytest tests notebooks --nbval-lax
+# The tests run on PYTEST_WORKERS pytest-xdist workers (0: in this process, one after another): each
+# notebook stays whole on one worker, every other test is spread (conftest.py). PYTEST_ARGS adds
+# pytest options, e.g. PYTEST_ARGS="-x -k ddp".
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?=
+PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+test: $(STAMP) chromium  ## unit + multi-rank + end-to-end (JupyterLab in Chromium) tests and every notebook under nbval, on 2 workers
+	$(PYTEST) tests notebooks --nbval-lax
+
+.PHONY: test-fast coverage coverage-report
+test-fast: $(STAMP)  ## the inner loop, about a minute: every test not marked slow (no notebook, no browser)
+	$(PYTEST) tests -m "not slow"
 
 test-unit: $(STAMP)
-	$(PY) -m pytest tests
+	$(PYTEST) tests
 
 test-notebooks: $(STAMP)
-	$(PY) -m pytest notebooks --nbval-lax
+	$(PYTEST) notebooks --nbval-lax
 
 test-e2e: $(STAMP) chromium  ## chapter 02 in JupyterLab in headless Chromium; screenshots in test-artifacts/e2e
 	$(PY) -m pytest tests/e2e -v
+
+# Line coverage of mgtutorial/ under the tests and notebooks of make test (less the browser), ranks
+# included: every Python process they start measures itself ([tool.coverage.run] in pyproject.toml).
+# Prints, per module, the lines never executed; COVERAGE_DIR keeps coverage.json and html/.
+COVERAGE_DIR := test-artifacts/coverage
+COVERAGE := COVERAGE_FILE=$(CURDIR)/$(COVERAGE_DIR)/.coverage $(PY) -m coverage
+coverage: $(STAMP)  ## line coverage of mgtutorial/ on CPU (tests + notebooks, ranks included); the missed lines per module
+	@rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR)
+	@$(COVERAGE) run -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests notebooks --nbval-lax \
+		--ignore=tests/e2e; status=$$?; $(COVERAGE) combine --quiet \
+		&& $(MAKE) --no-print-directory coverage-report; exit $$status
+
+coverage-report:  ## the last make coverage's figures again (terminal, coverage.json, html/)
+	@$(COVERAGE) json --quiet -o $(COVERAGE_DIR)/coverage.json
+	@$(COVERAGE) html --quiet -d $(COVERAGE_DIR)/html
+	@$(COVERAGE) report
+	@echo "coverage.json and html/index.html in $(COVERAGE_DIR)"
 
 # Every CUDA-only path of the course, each item in its own process with a time limit; a few minutes on
 # one GPU, more items with two or more. Report: gpu-check/report.md and report.json. Without CUDA

@@ -1,20 +1,32 @@
-"""Session-wide check: no rank process outlives the test session (tests and notebooks alike).
+"""Session-wide pieces for tests and notebooks alike: no rank process outlives the test session,
+and every notebook run by nbval is a slow test that one worker runs whole.
 
 Ranks are grandchildren when nbval runs a notebook (pytest → kernel → ranks), and they would be
 re-parented away from pytest if the kernel died first. So the rank-like descendants of this
 process are recorded after every test item, and at the end of the session every one recorded
 must have exited within a grace period; otherwise the session fails and the survivors are listed
 (and then killed, so that they do not outlive the report either).
+
+Under pytest-xdist (``make test`` runs ``-n``) each worker is a session of its own whose exit
+status the controller does not read: a worker hands its survivors to the controller
+(``config.workeroutput``), and the controller's session fails and lists them.
+
+nbval executes a notebook's cells in order in one kernel, so a notebook's cells must stay on one
+worker, in order: under ``-n`` (xdist's ``--dist load``) each notebook is one unit of work and every
+other test a unit of its own (:class:`NotebookScheduling`), notebooks first (the longest units).
 """
 
 from __future__ import annotations
 
 import psutil
+import pytest
 
 from mgtutorial.runtime.procs import rank_descendants, survivors
 
 GRACE_S = 5.0
+LEFTOVERS = "mgtutorial_leftover_ranks"  # the key in an xdist worker's output
 _seen: dict[int, psutil.Process] = {}
+_from_workers: list[str] = []
 
 
 def _remember() -> None:
@@ -22,24 +34,66 @@ def _remember() -> None:
         _seen.setdefault(p.pid, p)  # psutil.Process checks the create time: a reused pid is not it
 
 
+def _is_notebook_cell(item) -> bool:
+    return str(item.path).endswith(".ipynb")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_notebook_cell(item):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown without it
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "load":
+        return None  # another --dist asked for: xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class NotebookScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling with a notebook (all its cells) or a single test as the unit:
+        units with more items go first (xdist's ``--loadscope-reorder``), so the notebooks do."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path.endswith(".ipynb") else nodeid
+
+    return NotebookScheduling(config, log)
+
+
 def pytest_runtest_teardown(item, nextitem):
     _remember()
 
 
-def pytest_sessionfinish(session, exitstatus):
+def _kill_survivors() -> list[str]:
     _remember()
-    left = survivors(list(_seen.values()), GRACE_S)
-    if not left:
-        return
     lines = []
-    for p in left:
+    for p in survivors(list(_seen.values()), GRACE_S):
         try:
             lines.append(f"  pid {p.pid}: {' '.join(p.cmdline())[:200]}")
             p.kill()
         except psutil.Error:
             pass
+    return lines
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown without it
+def pytest_testnodedown(node, error):
+    """In the xdist controller: keep what a finished worker found left running."""
+    _from_workers.extend(getattr(node, "workeroutput", {}).get(LEFTOVERS, []))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    lines = _kill_survivors()
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:  # an xdist worker: the controller reports them
+        worker_output[LEFTOVERS] = lines
+        return
+    lines += _from_workers
+    if not lines:
+        return
     print(
-        f"\nERROR: {len(left)} rank process(es) still running {GRACE_S:.0f} s after the tests "
+        f"\nERROR: {len(lines)} rank process(es) still running {GRACE_S:.0f} s after the tests "
         "that started them (now killed):\n" + "\n".join(lines)
     )
     session.exitstatus = 1

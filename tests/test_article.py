@@ -45,6 +45,7 @@ def test_flatten_4608_fails_or_silently_makes_wrong_rows():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_ddp_device_ids_with_cpu_module_and_the_fix(runs, no_leftovers):
     values = _flaw("device_ids", runs)
     for r, v in values.items():
@@ -93,6 +94,7 @@ def test_no_destroy_leaves_the_group_up(runs, no_leftovers):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_rank_equals_gpu_index_collides_on_two_nodes(runs, no_leftovers):
     run = launch(
         ddp_flaws.rank_from_gpu_worker,
@@ -116,6 +118,7 @@ def test_rank_equals_gpu_index_collides_on_two_nodes(runs, no_leftovers):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_world_size_gpus_times_subnets_waits_for_ranks_that_never_come(runs, no_leftovers):
     cfg = ddp_flaws.RankConfig(
         use_local_rank_as_rank=False, claimed_world_size=6, gpus_per_node=2, timeout_s=4
@@ -124,6 +127,7 @@ def test_world_size_gpus_times_subnets_waits_for_ranks_that_never_come(runs, no_
         launch(ddp_flaws.rank_from_gpu_worker, cfg, 3, runs_dir=runs).wait(timeout=60)
 
 
+@pytest.mark.slow
 def test_env_init_without_master_addr_and_set_start_method_twice():
     init = (
         "import torch.distributed as dist\n"

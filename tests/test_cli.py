@@ -42,6 +42,7 @@ def _check_run_dir(run_dir: Path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_cli_launches_locally(runs, no_leftovers):
     out = subprocess.run(
         [sys.executable, "-m", "mgtutorial", *ARGS, "--nproc", "2", "--runs-dir", str(runs)],
@@ -57,6 +58,7 @@ def test_cli_launches_locally(runs, no_leftovers):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_cli_under_torchrun_does_not_launch_again(runs, no_leftovers):
     torchrun = Path(sys.executable).with_name("torchrun")
     launcher = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "mgtutorial"]
@@ -136,6 +138,7 @@ def test_every_literal_field_gets_its_choices_from_the_type(capsys):
     assert "--note NOTE Free text (100% of it). (default: x)" in text
 
 
+@pytest.mark.slow
 def test_cli_refuses_missing_cifar10_before_any_rank(tmp_path):
     argv = ["ddp", "--dataset", "cifar10", "--data-root", str(tmp_path / "none")]
     out = subprocess.run(
@@ -199,6 +202,7 @@ def test_options_set_config_fields():
         ),
     ],
 )
+@pytest.mark.slow
 def test_cli_hello_and_pipeline(argv, expect, runs, no_leftovers):
     out = subprocess.run(
         [sys.executable, "-m", "mgtutorial", *argv, "--runs-dir", str(runs)],
@@ -211,6 +215,7 @@ def test_cli_hello_and_pipeline(argv, expect, runs, no_leftovers):
     assert expect in out.stdout
 
 
+@pytest.mark.slow
 def test_cli_describe():
     out = subprocess.run(
         [sys.executable, "-m", "mgtutorial", "describe"],

@@ -116,6 +116,7 @@ def test_unused_parameter_fails_fast_and_flag_fixes_it(runs, no_leftovers):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_uneven_inputs_time_out_and_join_finishes(runs, no_leftovers):
     timeout_s = 3
     cfg = internals.PitfallConfig(extra_batches_last_rank=2, timeout_s=timeout_s, **COMMON)

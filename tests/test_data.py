@@ -67,6 +67,7 @@ def test_synthetic_is_reproducible():
     assert torch.equal(a.tensors[0], b.tensors[0]) and torch.equal(a.tensors[1], b.tensors[1])
 
 
+@pytest.mark.slow
 def test_only_local_rank_0_downloads_cifar10_the_others_wait(tmp_path, monkeypatch):
     import torchvision
 

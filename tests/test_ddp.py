@@ -48,6 +48,7 @@ def test_global_loss_is_mean_over_ranks(runs, no_leftovers):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_checkpoint_written_once_loads_strict_and_resume_continues(runs, no_leftovers):
     common = dict(dataset="synthetic", batch_size=16, evaluate=False)
     ckpt = runs / "resume.pt"

@@ -1,21 +1,30 @@
 """Every exercise both ways: the instructor edition's solutions pass their checkers, the student
 edition's untouched starters fail them with a hint, and ``make student`` removes every solution.
 
-Each notebook's "## Exercises" section is run on its own in a fresh kernel (so exercise cells must
-import what they use), in a temporary folder (``%%writefile`` starters land there). A checker cell
-is a code cell whose committed output holds a ``✓`` line.
+The instructor edition (the committed notebooks) runs under nbval in ``make test``: every checker
+cell is marked ``# NBVAL_CHECK_OUTPUT`` and its committed output holds its one ``✓ NN.k`` line
+(tests/test_notebook_hygiene.py checks both), so nbval fails a solution that raises or no longer
+prints its line. This file runs the student edition: each notebook's "## Exercises" section on its
+own in a fresh kernel, in a temporary folder (``%%writefile`` starters land there); and it checks,
+without running them, that the instructor's sections can run on their own too (they use no name
+that only the lesson defines). A checker cell is a code cell whose committed output holds a ``✓``
+line.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from mgtutorial.exercises._common import PASS, ExerciseError, answered, attempt
+from mgtutorial.exercises import PASS, ExerciseError
+from mgtutorial.exercises._common import answered, attempt
 from mgtutorial.workshop import edition
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,10 +45,15 @@ def pass_lines(cell) -> list[str]:
     return [line for line in _text(cell).splitlines() if line.startswith(PASS + " ")]
 
 
+def section_code_cells(nb) -> list:
+    """The code cells of ``nb``'s Exercises section, in order."""
+    return [c for c in nb.cells[edition.exercises_start(nb) :] if c.cell_type == "code"]
+
+
 def checker_cells(nb) -> list[int]:
-    """Indices (among the Exercises section's code cells) of the cells whose committed output has a ✓ line."""
-    section = [c for c in nb.cells[edition.exercises_start(nb) :] if c.cell_type == "code"]
-    return [i for i, c in enumerate(section) if pass_lines(c)]
+    """Indices (among the Exercises section's code cells) of the cells whose committed output
+    has a ✓ line."""
+    return [i for i, c in enumerate(section_code_cells(nb)) if pass_lines(c)]
 
 
 def exercise_headings(nb) -> list[str]:
@@ -55,10 +69,9 @@ def exercise_headings(nb) -> list[str]:
 
 def run_section(nb, tmp_path: Path):
     """Execute the code cells of ``nb``'s Exercises section in a fresh kernel in ``tmp_path``."""
-    start = edition.exercises_start(nb)
     tmp_path.mkdir(parents=True, exist_ok=True)
     section = nbformat.v4.new_notebook(metadata=nb.metadata)
-    section.cells = [c for c in nb.cells[start:] if c.cell_type == "code"]
+    section.cells = section_code_cells(nb)
     NotebookClient(
         section,
         timeout=300,
@@ -73,31 +86,47 @@ def errors(cell) -> list:
     return [o for o in cell.outputs if o.output_type == "error"]
 
 
+def _ruff() -> list[str]:
+    found = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if not found:
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    return [found]
+
+
+def undefined_names(sections: dict[str, list[str]], folder: Path) -> str:
+    """ruff's undefined-name report (F821) on each section (a list of code-cell sources) as a
+    notebook of its own; empty when every name a section uses is defined or imported in it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, sources in sections.items():
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
+        nbformat.write(nb, folder / name)
+        paths.append(str(folder / name))
+    out = subprocess.run(
+        [*_ruff(), "check", "--isolated", "--select", "F821", "--output-format", "concise", *paths],
+        capture_output=True,
+        text=True,
+    )
+    return "" if out.returncode == 0 else out.stdout + out.stderr
+
+
 # --- both ways, per notebook --------------------------------------------------------------------
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.stem)
-def test_solutions_pass_and_starters_fail(path, tmp_path):
+def test_untouched_starters_fail_with_their_hint(path, tmp_path):
     instructor = nbformat.read(path, as_version=4)
-    committed = [
-        c for c in instructor.cells[edition.exercises_start(instructor) :] if c.cell_type == "code"
-    ]
-    checkers = checker_cells(instructor)
+    committed, checkers = section_code_cells(instructor), checker_cells(instructor)
     assert checkers, f"{path.name}: no exercise cell prints a {PASS} line in the committed notebook"
 
-    solved = run_section(instructor, tmp_path / "instructor")
-    for i, cell in enumerate(solved):
-        assert not errors(cell), (
-            f"{path.name} exercise cell {i} fails on its solution:\n"
+    started = run_section(edition.student_notebook(instructor, path.name), tmp_path)
+    for i, cell in enumerate(started):
+        assert i in checkers or not errors(cell), (
+            f"{path.name} exercise cell {i} (not a checker) fails in the student edition:\n"
             f"{errors(cell)[0].ename}: {errors(cell)[0].evalue}"
         )
-    for i in checkers:
-        assert pass_lines(solved[i]) == pass_lines(committed[i]), (
-            f"{path.name} exercise cell {i}: {pass_lines(solved[i])} != committed {pass_lines(committed[i])}"
-        )
-
-    started = run_section(edition.student_notebook(instructor, path.name), tmp_path / "student")
     for i in checkers:
         cell, exercise = started[i], pass_lines(committed[i])[0][2:].split(":")[0]
         assert not pass_lines(cell), f"{path.name}: the untouched starter passes {exercise}"
@@ -113,14 +142,33 @@ def test_solutions_pass_and_starters_fail(path, tmp_path):
         )
 
 
+def test_every_exercises_section_runs_on_its_own(tmp_path):
+    """A learner may restart the kernel and run only the Exercises: in both editions, no section
+    uses a name that only the lesson above it defines (what nbval's top-to-bottom run cannot
+    see)."""
+    instructor = {p.name: nbformat.read(p, as_version=4) for p in WITH_EXERCISES}
+    sections = {n: [c.source for c in section_code_cells(nb)] for n, nb in instructor.items()}
+    for name, nb in instructor.items():
+        student = edition.student_notebook(nb, name)
+        sections[f"student-{name}"] = [c.source for c in section_code_cells(student)]
+    report = undefined_names(sections, tmp_path)
+    assert not report, f"exercise cells use names their section does not define:\n{report}"
+
+
+def test_undefined_name_check_can_fail(tmp_path):
+    sections = {"x.ipynb": ["%%writefile ex.py\nx = (", "import torch\ndisplay(torch)", "model"]}
+    assert "Undefined name `model`" in undefined_names(sections, tmp_path)
+    assert undefined_names({"y.ipynb": ["model = 1", "print(model)"]}, tmp_path / "y") == ""
+
+
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.stem)
 def test_every_exercise_has_a_checker_cell(path):
     nb = nbformat.read(path, as_version=4)
     headings, checkers = exercise_headings(nb), checker_cells(nb)
     assert len(checkers) == len(headings), (
-        f"{path.name}: {len(headings)} '### Exercise' headings but {len(checkers)} checker cells (code cells "
-        f"whose committed output has a {PASS} line): each exercise needs its checker, run in the committed "
-        f"notebook; headings: {headings}"
+        f"{path.name}: {len(headings)} '### Exercise' headings but {len(checkers)} checker cells "
+        f"(code cells whose committed output has a {PASS} line): each exercise needs its "
+        f"checker, run in the committed notebook; headings: {headings}"
     )
 
 
@@ -152,12 +200,10 @@ def test_student_edition_has_no_solution(tmp_path):
                 for line in a.source.splitlines()
                 if "# STARTER:" in line
             ]
-            for block in re.findall(
-                r"BEGIN SOLUTION.*?\n(.*?)\n[^\n]*END SOLUTION", a.source, re.S
-            ):
-                for line in (
-                    block.splitlines()
-                ):  # a line the starter has too (e.g. the step to extend) is not solution text
+            solutions = re.findall(r"BEGIN SOLUTION.*?\n(.*?)\n[^\n]*END SOLUTION", a.source, re.S)
+            for block in solutions:
+                # a line the starter has too (e.g. the step to extend) is not solution text
+                for line in block.splitlines():
                     if len(line.strip()) >= 12 and not any(line.strip() in s for s in starters):
                         assert line.strip() not in b.source, (
                             f"{path.name} cell {i} keeps {line.strip()!r}"
@@ -167,6 +213,7 @@ def test_student_edition_has_no_solution(tmp_path):
                 assert "NBVAL_CHECK_OUTPUT" not in b.source
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_student_edition_runs_its_first_cells(tmp_path):
     edition.make_student(ROOT / "notebooks", tmp_path / "student")
@@ -188,12 +235,8 @@ def test_make_student_never_deletes_what_it_did_not_write(tmp_path, monkeypatch)
         nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# x")]), src / "00_x.ipynb"
     )
     monkeypatch.chdir(tmp_path / "project")
-    for out in (
-        src,
-        src.parent,
-        tmp_path,
-        Path("."),
-    ):  # the notebooks, a folder holding them, the current one
+    # the notebooks, a folder holding them, the current one
+    for out in (src, src.parent, tmp_path, Path(".")):
         with pytest.raises(ValueError, match="folder of its own"):
             edition.make_student(src, out)
     (tmp_path / "project" / "mine").mkdir()
@@ -221,9 +264,8 @@ def test_make_student_again_keeps_the_previous_edition(tmp_path):
     edition.make_student(src, tmp_path / "student")
     previous = [p for p in tmp_path.iterdir() if p.name.startswith("student-previous-")]
     assert len(previous) == 1 and (previous[0] / "answer.py").read_text() == "a learner's answer"
-    assert (tmp_path / "student" / "00_x.ipynb").exists() and not (
-        tmp_path / "student" / "answer.py"
-    ).exists()
+    assert (tmp_path / "student" / "00_x.ipynb").exists()
+    assert not (tmp_path / "student" / "answer.py").exists()
 
 
 def _one_notebook(src: Path, source: str = "# x") -> None:
@@ -247,9 +289,8 @@ def test_make_student_refuses_a_malformed_solution_before_touching_the_edition(t
     edition.make_student(src, tmp_path / "student")
     (tmp_path / "student" / "answer.py").write_text("a learner's answer")
     before = _files(tmp_path / "student")
-    (src / "exercises" / "ex.py").write_text(
-        "# END SOLUTION\n"
-    )  # the .py files come after every notebook
+    # the .py files come after every notebook
+    (src / "exercises" / "ex.py").write_text("# END SOLUTION\n")
     with pytest.raises(
         ValueError, match=r"exercises/ex\.py: line 1 closes a solution that was never opened"
     ):
@@ -267,9 +308,8 @@ def test_make_student_refuses_a_malformed_solution_before_touching_the_edition(t
 def test_make_student_within_one_second_keeps_every_previous_edition(tmp_path, monkeypatch):
     src = tmp_path / "notebooks"
     _one_notebook(src)
-    monkeypatch.setattr(
-        edition.time, "strftime", lambda fmt: "20260101-000000"
-    )  # every run in the same second
+    # every run in the same second
+    monkeypatch.setattr(edition.time, "strftime", lambda fmt: "20260101-000000")
     for n in range(3):
         edition.make_student(src, tmp_path / "student")
         (tmp_path / "student" / "answer.py").write_text(f"answer {n}")

@@ -212,6 +212,7 @@ def train_uneven(model, optimizer, loss_fn, batches):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", WRONG)
+@pytest.mark.slow
 def test_checkers_name_what_is_wrong(name, tmp_path, monkeypatch):
     checker, source, hint = WRONG[name]
     monkeypatch.chdir(tmp_path)
@@ -242,6 +243,7 @@ def test_bucket_layout_names_the_rule(predicted, hint, tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_join_passes_when_a_rank_starts_late(tmp_path, monkeypatch, capsys):
     """Rank 1 imports the module 4 s late (longer than DDP's 3 s timeout): no error, since only
     DDP's own group has the short timeout."""

@@ -99,6 +99,7 @@ def test_registry_covers_one_and_two_gpu_items():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_run_item_reports_pass_fail_skip_crash(tmp_path, fakes, no_leftovers):
     out = tmp_path / "gc"
     got = {
@@ -233,6 +234,7 @@ def test_notebooks_without_cuda_are_skipped_and_nothing_is_written(tmp_path):
     "name",
     [pytest.param(n, marks=pytest.mark.timeout(4 * it.timeout_s + 60)) for n, it in ITEMS.items()],
 )
+@pytest.mark.slow
 def test_dry_run_on_cpu(name, tmp_path, no_leftovers):
     """The item's code on CPU with gloo (2 ranks where it takes all GPUs): no typos, no API
     misuse."""

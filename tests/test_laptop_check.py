@@ -19,6 +19,7 @@ RANKS_NOT_STARTED = Row("2 ranks", "pass", "not started in this test")
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_cli_exits_0_here_and_a_missing_cifar10_is_only_a_warning(tmp_path, no_leftovers):
     out, rows = run_cli(tmp_path, MGTUTORIAL_DATA=str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -34,6 +35,7 @@ def test_cli_exits_0_here_and_a_missing_cifar10_is_only_a_warning(tmp_path, no_l
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_taken_port_fails_the_port_and_the_rank_check(capsys, no_leftovers):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
@@ -67,6 +69,7 @@ def test_bad_nprocs_is_refused_before_any_process_starts():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_missing_widget_front_end_fails_and_a_present_one_passes(tmp_path, capsys, no_leftovers):
     code, rows = check(capsys, jupyter_path=[str(tmp_path)])
     assert code == 1 and [k for k, v in rows.items() if v[0] == "FAIL"] == ["widgets"]

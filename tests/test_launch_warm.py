@@ -72,6 +72,7 @@ def test_ranks_fork_from_a_server_without_course_modules(runs, no_leftovers):
 
 
 @pytest.mark.timeout(HANG_GUARD_S)
+@pytest.mark.slow
 def test_spawn_is_an_option(runs, no_leftovers):
     run = launch(
         workers.env_probe,
@@ -146,6 +147,7 @@ def test_rank_killed_by_signal_is_the_root_cause(sig, runs, no_leftovers):
 
 
 @pytest.mark.timeout(HANG_GUARD_S)
+@pytest.mark.slow
 def test_ranks_end_when_the_launcher_is_killed(tmp_path):
     script = tmp_path / "launcher.py"
     script.write_text(

@@ -37,6 +37,7 @@ def _torchrun(nprocs: int, batch_size: int) -> list[float]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_two_ranks_match_one_rank_on_the_combined_batch():
     two, one = _torchrun(2, 16), _torchrun(1, 32)
     assert two == pytest.approx(one, abs=2e-4)  # printed with 4 decimals

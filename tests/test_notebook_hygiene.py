@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import base64
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 
 from mgtutorial.workshop.edition import exercises_start
@@ -51,7 +55,8 @@ def tags(cell) -> list[str]:
 
 
 def output_text(output) -> str:
-    """Everything readable in one output: stream text, text/* data, error name, message, traceback."""
+    """Everything readable in one output: stream text, text/* data, error name, message and
+    traceback."""
     if output.output_type == "stream":
         return output.text
     if output.output_type == "error":
@@ -84,7 +89,8 @@ def check_execution_order(nb) -> list[str]:
     counts = [c.execution_count for c in code_cells(nb)]
     if counts != list(range(1, len(counts) + 1)):
         return [
-            f"execution counts {counts} are not 1…{len(counts)} in order (run top to bottom in a fresh kernel)"
+            f"execution counts {counts} are not 1…{len(counts)} in order "
+            "(run top to bottom in a fresh kernel)"
         ]
     return []
 
@@ -92,8 +98,8 @@ def check_execution_order(nb) -> list[str]:
 def check_errors(nb) -> list[str]:
     """No cell raises: a deliberate error is caught in its cell and its type and message printed.
 
-    A raising cell makes JupyterLab's Run All reset the prompts of every queued cell to ``[ ]`` while
-    the kernel goes on running them, so the long cells after it look dead.
+    A raising cell makes JupyterLab's Run All reset the prompts of every queued cell to ``[ ]``
+    while the kernel goes on running them, so the long cells after it look dead.
     """
     problems = []
     for i, cell in enumerate(code_cells(nb)):
@@ -128,7 +134,9 @@ _EXERCISE = re.compile(r"^### Exercise (\d\d[ab]?\.\d+) — .+ \(≈ \d+ min\)$"
 
 def check_exercises(nb) -> list[str]:
     """Each exercise: a '### Exercise NN.k — title (≈ N min)' heading, a solution between markers,
-    and one checker cell (marked for nbval) printing one '✓ NN.k …' line."""
+    and one checker cell (marked for nbval) printing one '✓ NN.k …' line. A checker cell is one that
+    calls a checker (``ex.chNN…``) or whose output holds a ✓ line: nbval compares its output, so
+    the solution must still print that line."""
     start = exercises_start(nb)
     if start is None:
         return []
@@ -149,7 +157,7 @@ def check_exercises(nb) -> list[str]:
         seen[current]["solution"] |= "BEGIN SOLUTION" in cell.source
         lines = output_text_all(cell).splitlines()
         ticks = [line for line in lines if line.startswith("✓ ")]
-        if "ex.ch" in cell.source:
+        if "ex.ch" in cell.source or ticks:
             seen[current]["checks"].append(ticks)
             if CHECK_MARK not in cell.source:
                 problems.append(f"the checker cell of {current} is not marked {CHECK_MARK}")
@@ -244,7 +252,8 @@ _VOLATILE = re.compile(
 
 
 def check_checked_cells_stable(nb) -> list[str]:
-    """Cells whose output nbval compares show no run-directory stamps, dates, pids or absolute paths."""
+    """Cells whose output nbval compares show no run-directory stamps, dates, pids or absolute
+    paths."""
     return [
         f"checked code cell {i} shows something that varies between runs: {m.group(0)!r}"
         for i, cell in enumerate(code_cells(nb))
@@ -380,3 +389,50 @@ def test_clean_notebook_passes():
         nbformat.v4.new_markdown_cell("## Summary\n\n## Exercises"),
     ]
     assert all(not check(nb) for check in CHECKS)
+
+
+# --- the session-end leftover-process check in conftest.py ------------------------------------
+
+
+LEAVES_A_RANK = """
+import subprocess, sys
+
+
+def test_leaves_a_rank_running():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "mgtutorial-{tag}"])
+"""
+
+
+def _workers() -> list[list[str]]:
+    """Serial, and under pytest-xdist where it is installed (each worker is a session of its
+    own)."""
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return [[]]
+    return [[], ["-n", "2"]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args", _workers(), ids=lambda a: "xdist" if a else "serial")
+def test_a_session_that_leaves_a_rank_fails_and_names_it(tmp_path, args):
+    tag = f"leftover-{time.monotonic_ns()}"
+    (tmp_path / "conftest.py").write_text((ROOT / "conftest.py").read_text())
+    (tmp_path / "test_leaves.py").write_text(LEAVES_A_RANK.format(tag=tag))
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "."],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=100,
+        )
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "1 passed" in out.stdout and "1 rank process(es) still running" in out.stdout
+        assert f"mgtutorial-{tag}" in out.stdout, out.stdout
+        assert not [p for p in psutil.process_iter(["cmdline"]) if tag in str(p.info["cmdline"])]
+    finally:
+        for p in psutil.process_iter(["cmdline"]):
+            if f"mgtutorial-{tag}" in (p.info["cmdline"] or []):
+                p.kill()

@@ -45,6 +45,7 @@ def test_torchrun_command_forms():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_two_simulated_nodes_give_distinct_ranks(tmp_path, no_leftovers):
     with torchrun.simulated_nodes(
         ["hello", "--runs-dir", str(tmp_path), "--run-name", "two"],
@@ -62,6 +63,7 @@ def test_two_simulated_nodes_give_distinct_ranks(tmp_path, no_leftovers):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_killed_rank_restarts_from_snapshot_and_matches_uninterrupted(tmp_path, no_leftovers):
     base = [
         "elastic",
@@ -251,6 +253,7 @@ def expected_type(message: str) -> str:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_skipped_collective_times_out_naming_it(runs, no_leftovers):
     timeout_s = 3
     run = launch(
@@ -298,6 +301,7 @@ def test_debug_detail_names_the_mismatch(runs, no_leftovers):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_debug_detail_names_the_rank_that_never_arrives(runs, no_leftovers):
     # rank 1 skips the last all-reduce and works alone: DETAIL's monitored barrier (the group's
     # timeout) names it, and hang_worker reports that as a timeout
@@ -464,6 +468,7 @@ def _attempt(how: str, port: int, attempt: int) -> list[int]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("how", ["env.distributed", "bare store"])
+@pytest.mark.slow
 def test_restarted_ranks_need_the_per_attempt_prefix(how, no_leftovers):
     """Why env.distributed wraps the store in a per-attempt PrefixStore. On the bare store,
     attempt 1 writes and reads under the very key names attempt 0 left behind (the key count does

@@ -41,9 +41,7 @@ LAB_SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"}
 }
 
-os.environ.setdefault(
-    "PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1"
-)  # never fetch Playwright's own browser
+os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")  # never Playwright's own browser
 _artifacts_written: list[Path] = []
 
 
@@ -54,7 +52,8 @@ def free_port() -> int:
 
 
 class ProcessRecorder(threading.Thread):
-    """Records every descendant of ``root`` (PID and start time, via psutil.Process) while it runs."""
+    """Records every descendant of ``root`` (PID and start time, via psutil.Process) while it
+    runs."""
 
     def __init__(self, root: psutil.Process, every_s: float = 0.1):
         super().__init__(daemon=True, name="e2e-process-recorder")
@@ -72,9 +71,8 @@ class ProcessRecorder(threading.Thread):
             try:
                 key = (p.pid, p.create_time())
                 self.seen.setdefault(key, p)
-                cmdline = " ".join(
-                    p.cmdline()
-                )  # read again: exec() changes it; a zombie's is empty
+                # read again: exec() changes it; a zombie's is empty
+                cmdline = " ".join(p.cmdline())
                 if cmdline:
                     self.cmdlines[key] = cmdline
                 else:
@@ -93,15 +91,15 @@ class ProcessRecorder(threading.Thread):
         self.join(5)
 
     def alive(self, grace_s: float = 10.0) -> list[tuple[psutil.Process, str]]:
-        """Recorded processes still running (zombies count as gone) after up to ``grace_s`` seconds."""
+        """Recorded processes still running (zombies count as gone) after up to ``grace_s``
+        seconds."""
         deadline = time.monotonic() + grace_s
         while True:
             left = []
             for key, p in self.seen.items():
                 try:
-                    if (
-                        p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-                    ):  # is_running checks start time
+                    # is_running checks the start time too: a reused pid is not it
+                    if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
                         left.append((p, self.cmdlines[key]))
                 except psutil.Error:
                     pass
@@ -264,12 +262,14 @@ def artifacts() -> Path:
 
 @pytest.fixture
 def lab(tmp_path, artifacts):
-    """JupyterLab on a temporary copy of notebooks/ (the .ipynb files only, none of runs/) and scripts/."""
+    """JupyterLab on a temporary copy of notebooks/ (the .ipynb files only, none of runs/) and
+    scripts/."""
     notebook_dir = tmp_path / "notebooks"
     notebook_dir.mkdir()
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
         shutil.copy2(nb, notebook_dir / nb.name)
-    # the chapters read scripts/ beside notebooks/ (chapter 02 prints and runs scripts/minimal_ddp.py)
+    # the chapters read scripts/ beside notebooks/ (chapter 02 prints and runs
+    # scripts/minimal_ddp.py)
     shutil.copytree(
         ROOT / "scripts", tmp_path / "scripts", ignore=shutil.ignore_patterns("__pycache__")
     )

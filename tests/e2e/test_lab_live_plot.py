@@ -1,4 +1,5 @@
-"""Chapter 02 in a real JupyterLab in a real browser: what a learner sees, not only what the kernel does.
+"""Chapter 02 in a real JupyterLab in a real browser: what a learner sees, not only what the kernel
+does.
 
 Headless Debian Chromium, driven by Playwright for Python, opens ``02_ddp.ipynb`` in a private
 JupyterLab (see conftest.py), runs every cell and checks that the live plot rendered as an image
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(180)]
 
 NOTEBOOK = "02_ddp.ipynb"
 TRAIN_CELL_MARK = "watch(run)"  # the cell that trains and shows the live plot
@@ -56,7 +57,8 @@ COUNT_LIVE_IMAGES = """
     for (const r of records) {
       if (r.type === 'attributes') scan(r.target); else r.addedNodes.forEach(scan);
     }
-  }).observe(document, {subtree: true, childList: true, attributes: true, attributeFilter: ['src']});
+  }).observe(document,
+             {subtree: true, childList: true, attributes: true, attributeFilter: ['src']});
 })();
 """
 
@@ -70,23 +72,27 @@ NOTEBOOK_STATE = """
   const panel = window.jupyterapp.shell.currentWidget;
   const nb = panel.content;
   const code = nb.widgets.filter((w) => w.model.type === 'code');
-  const prompts = code.map((w) => (w.node.querySelector('.jp-InputPrompt')?.textContent || '').trim());
+  const prompts = code.map(
+    (w) => (w.node.querySelector('.jp-InputPrompt')?.textContent || '').trim());
   const train = code.find((w) => w.model.sharedModel.getSource().includes(mark));
   if (train) train.node.setAttribute('data-e2e', 'train');
   code.forEach((w, i) => w.node.toggleAttribute('data-e2e-running', prompts[i].includes('*')));
-  const texts = (sel, root) => [...(root || nb.node).querySelectorAll(sel)].map((e) => e.textContent);
+  const texts = (sel, root) =>
+    [...(root || nb.node).querySelectorAll(sel)].map((e) => e.textContent);
   const out = train ? train.node.querySelector('.jp-Cell-outputArea') : null;
   return {
     prompts,
     kernel: panel.sessionContext?.session?.kernel?.status || null,
     tracebacks: texts('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
       .filter((t) => t.includes('Traceback')),
-    errorTexts: texts('.jp-RenderedText').filter(  // an error's 'Type: message' line, not the word in code
-      (t) => t.split(String.fromCharCode(10)).some((l) => /^[A-Za-z_.]*(Error|Exception): /.test(l))),
+    // an error's 'Type: message' line, not the word in code
+    errorTexts: texts('.jp-RenderedText').filter((t) => t.split(String.fromCharCode(10))
+      .some((l) => /^[A-Za-z_.]*(Error|Exception): /.test(l))),
     widgetTrouble: texts('.jp-OutputArea-output').filter(
       (t) => t.includes('Loading widget') || t.includes('Error displaying widget')),
     train: out && {
-      liveImgs: [...out.querySelectorAll('.widget-output img')].map((i) => i.getAttribute('src') || ''),
+      liveImgs: [...out.querySelectorAll('.widget-output img')]
+        .map((i) => i.getAttribute('src') || ''),
       imgs: [...out.querySelectorAll('img')].map((i) => i.getAttribute('src') || ''),
       widgets: out.querySelectorAll('.jupyter-widgets').length,
       text: out.textContent,
@@ -117,7 +123,8 @@ def _shot(
 
 def _open_notebook(page, lab) -> None:
     page.goto(f"{lab.url}/lab/tree/{NOTEBOOK}?token={lab.token}", wait_until="domcontentloaded")
-    # The splash screen is added by the app's scripts: wait for the app, its layout, then the splash.
+    # The splash screen is added by the app's scripts: wait for the app, its layout, then the
+    # splash.
     page.wait_for_function("() => !!window.jupyterapp", timeout=60_000)
     page.evaluate("() => window.jupyterapp.restored.then(() => true)")
     page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=60_000)
@@ -128,7 +135,8 @@ def _open_notebook(page, lab) -> None:
             dialog.first.click()
         status = page.evaluate(
             "() => { const w = window.jupyterapp.shell.currentWidget;"
-            " return w && w.sessionContext ? (w.sessionContext.session?.kernel?.status || 'none') : null; }"
+            " return w && w.sessionContext"
+            " ? (w.sessionContext.session?.kernel?.status || 'none') : null; }"
         )
         if status == "idle":
             return
@@ -257,7 +265,8 @@ def test_chapter_02_live_plot_in_jupyterlab(chromium, lab, artifacts):
     )
     print(
         f"\nJupyterLab open in {opened - started:.0f} s; notebook ran in {ran - opened:.0f} s "
-        f"(slowest code cells: {slowest}); first live image after {state['first_live_s'] or 0:.0f} s"
+        f"(slowest code cells: {slowest}); "
+        f"first live image after {state['first_live_s'] or 0:.0f} s"
     )
     print(f"live plot: {live['distinct']} distinct images in {live['events']} image updates")
     print(
@@ -284,7 +293,8 @@ def test_chapter_02_live_plot_in_jupyterlab(chromium, lab, artifacts):
         f"the live widget was never seen showing an image; the cell showed: {state['early_texts']}"
     )
     assert live["distinct"] >= MIN_DISTINCT_IMAGES, (
-        f"the live plot showed {live['distinct']} distinct image(s), expected at least {MIN_DISTINCT_IMAGES}"
+        f"the live plot showed {live['distinct']} distinct image(s), "
+        f"expected at least {MIN_DISTINCT_IMAGES}"
     )
 
     # The final figure replaced the widget in place: one plain PNG, no widget left, no duplicate.

@@ -30,8 +30,8 @@ class HelloConfig(Config):
 
 
 def hello(cfg: HelloConfig) -> dict:
-    """Each rank reports who it is and all-reduces its rank: the sum is 0 + 1 + … + (world size
-    − 1).
+    """Each rank reports who it is and all-reduces its rank; every rank receives the sum
+    0 + 1 + … + (world size − 1).
 
     Logs one ``kind="hello"`` record and returns it: rank, local_rank, group_rank (the node),
     world_size, backend, device, host, pid, rank_sum and env

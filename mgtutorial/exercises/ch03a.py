@@ -84,8 +84,8 @@ class AverageConfig(ddp.DDPConfig):
 
 
 class _LearnerDDP(collectives.FromScratchDDP):
-    """:class:`FromScratchDDP` whose gradient averaging is the learner's function; counts
-    all-reduces."""
+    """:class:`~mgtutorial.ddp.collectives.FromScratchDDP` whose gradient averaging is the
+    learner's function; counts all-reduces."""
 
     def __init__(self, module, ctx, fn):
         super().__init__(module, ctx)

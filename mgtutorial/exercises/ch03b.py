@@ -1,4 +1,4 @@
-"""Checkers of chapter 03b's exercises (notebooks/03b_overlap.ipynb): the bucket layout for a
+"""Checkers of chapter 03b's exercises (notebooks/03b_ddp_internals.ipynb): the bucket layout for a
 given ``bucket_cap_mb`` (03b.1), a float16 communication hook (03b.2), gradient accumulation with
 ``no_sync`` (03b.3), and, from :mod:`mgtutorial.exercises.ch03b_join`, uneven inputs with ``Join``
 (03b.4).

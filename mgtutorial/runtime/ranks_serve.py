@@ -8,8 +8,9 @@ Taught in notebooks/00_setup.ipynb (exploring from cells) and notebooks/03a_coll
 :func:`serve` is an ordinary worker that :func:`mgtutorial.launch` starts like any other: it joins
 the process group with :func:`mgtutorial.runtime.env.distributed`, connects back to the kernel on
 127.0.0.1 with :mod:`multiprocessing.connection` (authenticated with a key that only the kernel
-and its ranks hold, https://docs.python.org/3/library/multiprocessing.html#multiprocessing-auth-keys)
-and serves until the kernel says stop or goes away. A cell runs with :func:`exec`; the value of its
+and its ranks hold:
+https://docs.python.org/3/library/multiprocessing.html#multiprocessing-auth-keys) and serves until
+the kernel says stop or goes away. A cell runs with :func:`exec`; the value of its
 last expression comes back, as IPython shows it, unless the cell ends with ``;``.
 
 Two threads: the main thread runs cells; a reader thread takes the kernel's messages and answers

@@ -90,9 +90,7 @@ def hang_worker(cfg: HangConfig) -> dict:
             t0 = time.time()
             try:
                 dist.all_reduce(torch.ones(step + 1, device=ctx.device))  # step s: s + 1 elements
-            except (
-                Exception
-            ) as exc:  # a timeout, a peer that left, or (DETAIL) a mismatch: say which
+            except Exception as exc:  # a timeout, a peer gone, or (DETAIL) a mismatch: say which
                 timed_out = _timed_out(exc)
                 raise (TimeoutError if timed_out else RuntimeError)(
                     f"all_reduce of step {step} on rank {ctx.rank} "

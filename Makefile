@@ -31,11 +31,11 @@ check: $(STAMP)  ## the laptop check for the morning of a workshop (WORKSHOP.md)
 # The tests run on PYTEST_WORKERS pytest-xdist workers (0: in this process, one after another): each
 # notebook stays whole on one worker, every other test is spread (conftest.py). PYTEST_ARGS adds
 # pytest options, e.g. PYTEST_ARGS="-x -k ddp".
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 PYTEST_ARGS ?=
 PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
-test: $(STAMP) chromium  ## unit + multi-rank + end-to-end (JupyterLab in Chromium) tests and every notebook under nbval, on 2 workers
+test: $(STAMP) chromium  ## unit + multi-rank + end-to-end (JupyterLab in Chromium) tests and every notebook under nbval, on 3 xdist workers
 	$(PYTEST) tests notebooks --nbval-lax
 
 .PHONY: test-fast coverage coverage-report

@@ -34,6 +34,36 @@ def _remember() -> None:
         _seen.setdefault(p.pid, p)  # psutil.Process checks the create time: a reused pid is not it
 
 
+def pytest_configure(config):
+    stop_kernels_by_request_under_coverage()
+
+
+def stop_kernels_by_request_under_coverage() -> bool:
+    """Under ``make coverage``, nbval's kernels are asked to shut down instead of being killed.
+
+    nbval ends a notebook's kernel with ``shutdown_kernel(now=True)``, a kill: the kernel's own
+    coverage measurer never saves, and the lines that only notebook cells run (exercise checkers,
+    the live plot, figures) would count as missed. A shutdown request lets the kernel exit normally
+    (its measurer saves at exit); jupyter_client still kills it after its grace period if it does
+    not. Outside coverage nothing changes. Returns whether nbval's ``stop`` was replaced.
+    """
+    try:
+        import coverage
+        from nbval.kernel import RunningKernel
+    except ImportError:
+        return False
+    if coverage.Coverage.current() is None:
+        return False
+
+    def stop(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+        del self.km
+
+    RunningKernel.stop = stop
+    return True
+
+
 def _is_notebook_cell(item) -> bool:
     return str(item.path).endswith(".ipynb")
 

@@ -250,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser(check_only=argv[:1] == ["check"])
     except ImportError as exc:  # torch or psutil missing or broken: say where the diagnosis is
         print(
-            f"error: {type(exc).__name__}: {exc}\n`python -m mgtutorial check` lists what is "
-            "missing or broken and the command that fixes it.",
+            f"error: {type(exc).__name__}: {exc}\n`make check` (or `.venv/bin/python -m "
+            "mgtutorial check`) lists what is missing or broken and the command that fixes it.",
             file=sys.stderr,
         )
         return 1

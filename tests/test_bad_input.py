@@ -121,7 +121,7 @@ def test_snapshots_without_a_checkpoint_file_are_refused():
 
 
 def test_a_resume_with_another_data_set_or_batch_size_is_refused(tmp_path):
-    path = tmp_path / "ddp.pt"
+    path = tmp_path / "new" / "ddp.pt"  # a folder the first save makes
     cfg = ddp.DDPConfig(checkpoint=str(path), batch_size=16, max_steps=1, **DIGITS)
     model, train_set, test_set, opt = ddp.build(cfg, env.DistContext.single_process())
     ddp.Trainer(model, train_set, test_set, opt, env.DistContext.single_process(), cfg)

@@ -97,6 +97,7 @@ def save_settings(path: str | os.PathLike, settings: dict) -> None:
     """Write ``settings`` (JSON: the data set, the batch size, …) beside checkpoint ``path``,
     atomically; rank 0 calls it with :func:`save_checkpoint`."""
     target = settings_path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_text(json.dumps(settings, sort_keys=True))
     os.replace(tmp, target)

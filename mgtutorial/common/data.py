@@ -142,11 +142,12 @@ def load_cifar10(root: str | os.PathLike | None = None, download: bool = False):
     from torchvision import transforms
 
     root = Path(root or data_root())
-    check_available("cifar10", root, download)
     if download and os.environ.get("LOCAL_RANK", "0") != "0":
         # one download per machine: local rank 0 fetches, the other ranks wait for complete files
         wait_for_cifar10(root)
         download = False
+    else:
+        check_available("cifar10", root, download)
     tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
     train = torchvision.datasets.CIFAR10(str(root), train=True, download=download, transform=tf)
     test = torchvision.datasets.CIFAR10(str(root), train=False, download=download, transform=tf)

@@ -249,6 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser(check_only=argv[:1] == ["check"])
     except ImportError as exc:  # torch or psutil missing or broken: say where the diagnosis is
+        from mgtutorial.workshop.laptop_packages import outside_environment
+
+        if outside := outside_environment():  # a bare `python`: name the course's
+            print(
+                f"error: {type(exc).__name__}: {exc}\n{outside}: run `.venv/bin/python -m "
+                f"mgtutorial {' '.join(argv)}` (`make check` makes .venv on first use).",
+                file=sys.stderr,
+            )
+            return 1
         print(
             f"error: {type(exc).__name__}: {exc}\n`make check` (or `.venv/bin/python -m "
             "mgtutorial check`) lists what is missing or broken and the command that fixes it.",

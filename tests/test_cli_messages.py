@@ -153,3 +153,16 @@ def test_a_diverging_run_from_the_shell_exits_non_zero(tmp_path):
     assert out.returncode == 1, out.stderr[-2000:]
     assert "\nerror: rank " in out.stderr and "LossNotFinite: the loss is" in out.stderr
     assert "done" not in out.stdout
+
+
+def test_a_command_run_by_another_python_names_the_course_one(monkeypatch, capsys):
+    from mgtutorial.workshop import laptop_packages
+
+    def no_torch(check_only=False):
+        raise ModuleNotFoundError("No module named 'torch'")
+
+    monkeypatch.setattr(cli, "build_parser", no_torch)
+    monkeypatch.setattr(laptop_packages, "outside_environment", lambda: "this is /usr/bin/python3")
+    assert cli.main(["describe"]) == 1
+    err = capsys.readouterr().err
+    assert "this is /usr/bin/python3: run `.venv/bin/python -m mgtutorial describe`" in err

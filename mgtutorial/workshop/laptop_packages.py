@@ -60,7 +60,10 @@ def outside_environment() -> str:
 
 def pip_fix(spec: str, reinstall: bool = False) -> str:
     """The install command a fix line prints, online and from a wheel folder: for the course's
-    ``.venv`` when it exists, else for this interpreter."""
+    ``.venv`` when it exists, else for this interpreter; none when this interpreter is not the
+    course's environment (:func:`outside_environment`: the python row says what to run)."""
+    if outside_environment():
+        return "fix the python row first: the course's packages go into .venv, not here"
     venv = course_venv()
     python = ".venv/bin/python" if venv.is_dir() else Path(sys.executable).name
     again = "--force-reinstall " * reinstall

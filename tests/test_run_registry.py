@@ -4,7 +4,10 @@ found again (``latest_runs``, ``watch()`` of the last one)."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import workers
@@ -49,3 +52,24 @@ def test_watch_without_a_run_says_what_to_do(monkeypatch):
     monkeypatch.setattr(run_module, "_LAUNCHED", type(run_module._LAUNCHED)())
     with pytest.raises(LookupError, match=r"no run was launched from this process yet"):
         watch()
+
+
+@pytest.mark.timeout(150)
+def test_a_script_that_ends_before_its_run_stops_it_and_says_so(runs, no_leftovers):
+    tests = Path(__file__).resolve().parent
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "import workers\n"
+        "from mgtutorial import launch\n"
+        "launch(workers.sleeper, workers.SleepConfig(seconds=60), 2, runs_dir=sys.argv[2])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tests), str(runs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    (run_dir,) = runs.iterdir()
+    assert f"stopping run {run_dir.name}: still running as this process exits" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -237,7 +237,12 @@ def follow_terminal(run, png: bool = True):
                 reader.read_new()
                 prog = progress(reader.records)
                 if bar is None and (prog["total_steps"] or prog["step"]):
-                    bar = tqdm(desc=run.run_dir.name, unit="step", total=prog["total_steps"])
+                    bar = tqdm(
+                        desc=run.run_dir.name,
+                        unit="step",
+                        total=prog["total_steps"],
+                        initial=prog["step"],  # the steps before it count for no rate
+                    )
                 if bar is not None:
                     if prog["total_steps"] and bar.total != prog["total_steps"]:
                         bar.total = prog["total_steps"]  # the fraction done and the time left

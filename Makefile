@@ -9,7 +9,8 @@ CHROMIUM ?= /usr/bin/chromium
 export MGTUTORIAL_CHROMIUM := $(CHROMIUM)
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 
-.PHONY: lab demo check test test-unit test-notebooks test-e2e gpu-check chromium clean-runs student
+.PHONY: lab demo check test test-unit test-notebooks test-notebook test-e2e gpu-check chromium \
+	clean-runs student
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +23,10 @@ NOTEBOOKS ?= notebooks
 lab: $(STAMP)  ## open the course in JupyterLab (token auth: use the URL it prints)
 	$(VENV)/bin/jupyter lab --notebook-dir=$(NOTEBOOKS) $(ROOT_FLAG)
 
+# DEMO_ARGS: more ddp options (.venv/bin/python -m mgtutorial ddp --help), e.g. DEMO_ARGS="--epochs 1"
+DEMO_ARGS ?= --epochs 3
 demo: $(STAMP)  ## the headless main job: DDP on 2 ranks, progress, final accuracy, loss.png
-	$(PY) -m mgtutorial ddp --nproc 2 --epochs 3 --dataset auto --runs-dir runs
+	$(PY) -m mgtutorial ddp --nproc 2 --dataset auto --runs-dir runs $(DEMO_ARGS)
 
 check: $(STAMP)  ## the laptop check for the morning of a workshop (WORKSHOP.md): a pass/fail table, exit 1 on a failure
 	$(PY) -m mgtutorial check
@@ -47,6 +50,18 @@ test-unit: $(STAMP)
 
 test-notebooks: $(STAMP)
 	$(PYTEST) notebooks --nbval-lax
+
+# One chapter under nbval, as make test runs it: NB=02 is notebooks/02_*.ipynb, NB=03a one
+# notebook, NB=03 both 03a and 03b.
+NB ?=
+test-notebook: $(STAMP)  ## one chapter under nbval: make test-notebook NB=02
+	@files="$$(ls notebooks/$(NB)_*.ipynb notebooks/$(NB)[a-z]_*.ipynb 2>/dev/null)"; \
+	if [ -z "$(NB)" ] || [ -z "$$files" ]; then \
+		echo "make test-notebook NB=<chapter>: NB=$(NB) names no notebooks/<NB>_*.ipynb (e.g. NB=02)"; \
+		exit 2; \
+	fi; \
+	echo "$(PY) -m pytest -p no:cacheprovider --nbval-lax $$files"; \
+	$(PY) -m pytest -p no:cacheprovider --nbval-lax $$files
 
 test-e2e: $(STAMP) chromium  ## chapter 02 in JupyterLab in headless Chromium; screenshots in test-artifacts/e2e
 	$(PY) -m pytest tests/e2e -v
@@ -90,8 +105,8 @@ chromium:
 student: $(STAMP)  ## the student edition in student/ (solutions removed, exercise outputs cleared; an earlier one is moved aside)
 	$(PY) -m mgtutorial.workshop.edition --src notebooks --out student
 
-clean-runs:  ## delete run directories (logs, checkpoints, plots)
-	rm -rf runs notebooks/runs student/runs
+clean-runs:  ## delete run directories (logs, checkpoints, plots), the student editions' too
+	rm -rf runs notebooks/runs student/runs student-previous-*/runs
 
 # The course as a static website (book/build.py): every chapter from the committed notebooks, as
 # committed (nothing is executed), with search, math and figures, loading nothing from another

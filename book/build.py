@@ -12,7 +12,8 @@ The Sphinx sources are staged in ``book/_build/<edition>/src/``:
   paragraph or section of README.md they name (chapter names linked to their pages), followed by
   the left navigation: every notebook, in file order (which is course order), then the workshop
   guide;
-* ``workshop.md``: WORKSHOP.md;
+* ``workshop.md``: WORKSHOP.md; ``glossary.md``: GLOSSARY.md, its links to
+  ``notebooks/<chapter>.ipynb`` pointed at the chapters' pages;
 * one ``.ipynb`` per chapter: the notebook as committed (instructor edition), or as
   :func:`mgtutorial.workshop.edition.make_student` writes it (student edition, the same files as
   ``make student``); in both, each widget is replaced by a line naming its controls, taken from
@@ -78,13 +79,15 @@ def intro_page(readme: str, intro: str, chapters: list[str]) -> str:
             ),
             text,
         )
-        return text.replace("](WORKSHOP.md)", "](workshop.md)")
+        return text.replace("](WORKSHOP.md)", "](workshop.md)").replace(
+            "](GLOSSARY.md)", "](glossary.md)"
+        )
 
     toc = "\n".join(
         [
             "```{toctree}\n:hidden:\n:caption: Chapters\n",
             *chapters,
-            "```\n\n```{toctree}\n:hidden:\n:caption: Teaching\n\nworkshop\n```\n",
+            "```\n\n```{toctree}\n:hidden:\n:caption: Teaching\n\nworkshop\nglossary\n```\n",
         ]
     )
     return README_PART.sub(fill, intro).replace(NAVIGATION, toc)
@@ -137,6 +140,8 @@ def stage(src: Path, edition: str, notebooks: Path, scratch: Path) -> list[str]:
     intro = (BOOK / "intro.md").read_text()
     (src / "index.md").write_text(intro_page(readme, intro, list(chapters)))
     shutil.copy2(ROOT / "WORKSHOP.md", src / "workshop.md")
+    glossary = (ROOT / "GLOSSARY.md").read_text()
+    (src / "glossary.md").write_text(glossary.replace("](notebooks/", "]("))
     return list(chapters)
 
 

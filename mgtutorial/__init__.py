@@ -46,6 +46,8 @@ _LAZY = {
     "loss_figure": "runtime.live",
     "watch": "runtime.live",
     "Run": "runtime.run",
+    "latest_runs": "runtime.run",
+    "last_run": "runtime.run",
     "RunResult": "runtime.run",
     "WorkerFailed": "runtime.failure",
 }

@@ -46,7 +46,12 @@ def _config_parser(sub, name: str, cls, help: str, func) -> None:
         help="ranks to launch (default: one per GPU if ≥ 2 GPUs, else 2); ignored under torchrun",
     )
     p.add_argument("--runs-dir", default="runs", help="parent folder of run directories")
-    p.add_argument("--run-name", default=None, help="under torchrun: run directory name")
+    p.add_argument(
+        "--run-name",
+        default=None,
+        help="the run directory's name: under torchrun exactly this (refused if it holds an "
+        "earlier run); launched from here, the start of <name>-<time>-<id> (default: the command)",
+    )
     p.set_defaults(func=func, config_class=cls)
 
 
@@ -59,6 +64,11 @@ def _run_under_torchrun(args, worker, cfg, name: str):
     run_dir = runlog.run_dir()
     if callable(getattr(cfg, "validate", None)):
         cfg.validate(env.world_size())  # before anything is written: a refused config leaves none
+    if env.rank() == 0 and env.restart_count() == 0 and (run_dir / "config.json").exists():
+        raise ValueError(
+            f"--run-name {run_dir.name}: {run_dir} already holds an earlier run, whose logs this "
+            "one would extend. Pass another --run-name, or delete that folder first."
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     if env.rank() == 0:
         ref = f"{worker.__module__}:{worker.__qualname__}"
@@ -78,7 +88,7 @@ def _launch_locally(args, worker, cfg, name: str):
     from mgtutorial.runtime.launcher import launch
 
     nproc = env.default_nprocs() if args.nproc is None else args.nproc
-    run = launch(worker, cfg, nproc, runs_dir=args.runs_dir, name=name)
+    run = launch(worker, cfg, nproc, runs_dir=args.runs_dir, name=args.run_name or name)
     print(f"launched {nproc} rank(s) ({run.backend}); logs in {run.run_dir}")
     result = live.follow_terminal(run)
     return run.run_dir, result.values[0], result
@@ -88,11 +98,14 @@ def _run(args, worker, cfg, name: str, report) -> int:
     """Launch ranks, or be one rank under torchrun; then let rank 0 print ``report(summary)``."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from mgtutorial.common.finite import LossNotFinite
     from mgtutorial.runtime import env
     from mgtutorial.runtime.failure import WorkerFailed
 
+    torchrun = env.is_distributed_env()
+    rank = f"[rank {env.rank()}] " if torchrun else ""
     try:
-        if env.is_distributed_env():
+        if torchrun:
             run_dir, summary = _run_under_torchrun(args, worker, cfg, name)
             if env.rank() == 0:
                 print(f"[rank 0] done: {report(summary)}; logs in {run_dir}", flush=True)
@@ -101,18 +114,21 @@ def _run(args, worker, cfg, name: str, report) -> int:
             print(f"done in {result.duration_s:.1f} s: {report(summary)}")
             if (run_dir / "loss.png").exists():
                 print(f"loss curve: {run_dir / 'loss.png'}")
-    except (WorkerFailed, ValueError, OSError) as exc:  # OSError: e.g. --runs-dir names a file
-        print(f"error: {exc}", file=sys.stderr)
+    except (WorkerFailed, ValueError, TypeError, OSError, LossNotFinite) as exc:
+        print(f"{rank}error: {exc}", file=sys.stderr)  # on a line of its own, after the bar
         return 1
     except (KeyboardInterrupt, SignalException):
-        print("interrupted: every rank was stopped.", file=sys.stderr)
+        if not torchrun:
+            print("interrupted: every rank was stopped.", file=sys.stderr)
+        elif env.rank() == 0:  # one line for the job; torchrun's own report follows it
+            print("interrupted: torchrun stops every rank.", file=sys.stderr)
         return 130
     return 0
 
 
 def _ddp_report(summary: dict) -> str:
-    acc = summary.get("test_acc")
-    return f"{summary['steps']} steps per rank" + (
+    acc, steps = summary.get("test_acc"), summary["steps"]
+    return f"{steps} step{'' if steps == 1 else 's'} per rank" + (
         f", final test accuracy {acc:.1%}" if acc is not None else ""
     )
 
@@ -137,12 +153,15 @@ def _run_data(args) -> int:
         return 0
     root = Path(args.root or data.data_root())
     try:
-        data.load_cifar10(root, download=True)
+        data.fetch_cifar10(root)
+    except ValueError as exc:  # --root names a file, or a folder that cannot be written
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except (OSError, RuntimeError) as exc:  # offline, a proxy, a full disk, a corrupt archive
         print(
             f"error: could not download CIFAR-10 into {root}: {type(exc).__name__}: {exc}\n"
-            "Check the network (or copy cifar-10-batches-py/ there by hand); the chapters run "
-            "without it on the digits set (dataset='auto').",
+            "Nothing was left behind. The chapters run without it on the digits set "
+            "(dataset='auto').",
             file=sys.stderr,
         )
         return 1
@@ -230,9 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser(check_only=argv[:1] == ["check"])
     except ImportError as exc:  # torch or psutil missing or broken: say where the diagnosis is
+        from mgtutorial.workshop.laptop_packages import outside_environment
+
+        if outside := outside_environment():  # a bare `python`: name the course's
+            print(
+                f"error: {type(exc).__name__}: {exc}\n{outside}: run `.venv/bin/python -m "
+                f"mgtutorial {' '.join(argv)}` (`make check` makes .venv on first use).",
+                file=sys.stderr,
+            )
+            return 1
         print(
-            f"error: {type(exc).__name__}: {exc}\n`python -m mgtutorial check` lists what is "
-            "missing or broken and the command that fixes it.",
+            f"error: {type(exc).__name__}: {exc}\n`make check` (or `.venv/bin/python -m "
+            "mgtutorial check`) lists what is missing or broken and the command that fixes it.",
             file=sys.stderr,
         )
         return 1

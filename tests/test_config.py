@@ -68,7 +68,6 @@ def test_a_bad_choice_is_refused_naming_the_field(cfg, message):
     "changes, message",
     [
         ({"steps": 0}, "steps=0: must be at least 1 (one step or more)."),
-        ({"steps": True}, "steps=True: must be a finite number."),
         ({"lr": float("nan")}, "lr=nan: must be a finite number."),
         ({"lr": 0.0}, "lr=0.0: must be positive."),
         ({"fail_rank": 2}, "fail_rank=2: must be -1 (none) or a rank of the job, 0 … 1 (2 ranks)."),
@@ -89,3 +88,30 @@ def test_check_choices_works_on_any_dataclass():
     config.check_choices(Plain())
     with pytest.raises(ValueError, match="how='segv'"):
         config.check_choices(Plain(how="segv"))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"steps": 2.5}, "steps=2.5 is a float: it must be an int (the default is 3)."),
+        ({"steps": True}, "steps=True is a bool: it must be an int (the default is 3)."),
+        ({"lr": "0.1"}, "lr='0.1' is a str: it must be a number (the default is 0.1)."),
+        ({"name": None}, "name=None is a NoneType: it must be a str (the default is 'free')."),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_naming_the_type(changes, message):
+    with pytest.raises(TypeError) as info:
+        dataclasses.replace(ToyConfig(), **changes).validate(2)
+    assert str(info.value) == message
+    dataclasses.replace(ToyConfig(), lr=1).validate(2)  # an int where a number is needed is fine
+
+
+@pytest.mark.parametrize("seed", [-1, 2**31, 2**64, 1.5])
+def test_a_seed_no_generator_takes_is_refused(seed):
+    @dataclasses.dataclass(kw_only=True)
+    class Seeded(config.Config):
+        seed: float = 0  # typed loosely, so that the range check itself is what refuses 1.5
+
+    with pytest.raises(ValueError, match=rf"seed={seed!r}: a seed must be an int from 0 to "):
+        Seeded(seed=seed).validate(2)
+    Seeded(seed=config.SEED_MAX).validate(2)

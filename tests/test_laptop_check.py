@@ -152,7 +152,7 @@ def test_import_mgtutorial_and_the_check_command_load_neither_torch_nor_psutil()
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=100, env=cli_env()
     )
-    assert out.returncode == 0 and out.stdout.split() == ["23", "0.1.0"], out.stdout + out.stderr
+    assert out.returncode == 0 and out.stdout.split() == ["25", "0.1.0"], out.stdout + out.stderr
 
 
 def test_a_check_whose_import_fails_names_the_package_and_its_install(monkeypatch):
@@ -261,7 +261,14 @@ def test_unknown_requirements_or_a_broken_probe_are_fail_rows_not_tracebacks(mon
     )
 
 
-@pytest.mark.parametrize("nprocs", [True, 2.0, 0])
-def test_nprocs_that_is_not_a_positive_int_is_refused(nprocs):
-    with pytest.raises(ValueError, match=rf"nprocs={nprocs}: the rank check needs at least 1 rank"):
+@pytest.mark.parametrize(
+    "nprocs, error, match",
+    [
+        (True, TypeError, "nprocs=True is a bool: it must be an int"),
+        (2.0, TypeError, "nprocs=2.0 is a float: it must be an int"),
+        (0, ValueError, "nprocs=0: the rank check needs at least 1 rank"),
+    ],
+)
+def test_nprocs_that_is_not_a_positive_int_is_refused(nprocs, error, match):
+    with pytest.raises(error, match=match):
         laptop_check.CheckConfig(nprocs=nprocs).validate()

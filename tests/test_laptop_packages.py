@@ -149,3 +149,16 @@ def test_a_timed_out_probe_reads_its_output_as_bytes_or_str(monkeypatch, output)
         "hangs": "importing it took over 5 s",
         "later": "not tried (hangs stopped Python)",
     }
+
+
+def test_a_python_other_than_the_course_environment_is_named(monkeypatch, tmp_path):
+    venv = tmp_path / ".venv"
+    venv.mkdir()
+    monkeypatch.setattr(laptop_packages, "course_venv", lambda: venv)
+    row = laptop_packages.check_python(">=3.10")
+    assert row.status == "WARN" and f"not the course's {venv / 'bin' / 'python'}" in row.detail
+    assert ".venv/bin/python -m mgtutorial check" in row.fix
+    assert laptop_packages.pip_fix("torch>=2.4").startswith("fix the python row first")
+    monkeypatch.setattr(laptop_packages.sys, "prefix", str(venv))
+    assert laptop_packages.check_python(">=3.10").status == "pass"
+    assert laptop_packages.pip_fix("torch>=2.4").startswith(".venv/bin/python -m pip install")

@@ -21,8 +21,8 @@ from mgtutorial.runtime import runlog
         (lambda: ddp.DDPConfig(lr=float("nan")), ValueError, "lr=nan: must be a finite number"),
         (lambda: ddp.DDPConfig(lr=float("inf")), ValueError, "lr=inf: must be a finite number"),
         (lambda: ddp.DDPConfig(momentum=-5), ValueError, "momentum=-5: must be at least 0"),
-        (lambda: ddp.DDPConfig(timeout_s=0), ValueError, "timeout_s=0: must be positive"),
-        (lambda: ddp.DDPConfig(seed=-1), ValueError, "seed=-1: must be at least 0"),
+        (lambda: ddp.DDPConfig(timeout_s=0), ValueError, "timeout_s=0: must be at least 1 s"),
+        (lambda: ddp.DDPConfig(seed=-1), ValueError, "seed=-1: a seed must be an int from 0"),
         (
             lambda: ddp.DDPConfig(resume=True),
             ValueError,
@@ -63,7 +63,8 @@ from mgtutorial.runtime import runlog
         (
             lambda: schedules.PipelineConfig(sizes=[8, 4]),
             ValueError,
-            "2 stages but the MLP has only 1 sub-networks",
+            r"2 stages but the MLP has only 1 sub-networks \(sizes=\[8, 4\]\): give at least 3 "
+            r"layer widths \(--sizes\), or run on fewer ranks \(--nproc 1\)",
         ),
         (lambda: schedules.PipelineConfig(steps=0), ValueError, "steps=0: must be at least 1"),
         (lambda: handoff.HandoffConfig(reps=2), ValueError, r"reps ≥ 3 \(got 2\)"),

@@ -8,6 +8,7 @@ https://pytorch.org/docs/stable/generated/torch.load.html (``weights_only``).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import zipfile
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from mgtutorial.common import models
+from mgtutorial.common.config import check_writable_folder
 
 
 def save_checkpoint(
@@ -63,9 +65,10 @@ def check_checkpoint_path(path: str | os.PathLike | None, resume: bool = False) 
     """Refuse, before any rank starts, a checkpoint setting that would lose something.
 
     Raises:
-        ValueError: ``resume`` without a ``path``; ``path`` is a folder; or ``path`` exists and is
-            not a file :func:`torch.save` wrote (it would be overwritten by the first save, or fail
-            to load on resume).
+        ValueError: ``resume`` without a ``path``; ``path`` is a folder, or its folder cannot be
+            written (:func:`~mgtutorial.common.config.check_writable_folder`); or ``path`` exists
+            and is not a file :func:`torch.save` wrote (it would be overwritten by the first save,
+            or fail to load on resume).
     """
     if path is None:
         if resume:
@@ -74,12 +77,52 @@ def check_checkpoint_path(path: str | os.PathLike | None, resume: bool = False) 
             )
         return
     path = Path(path)
+    check_writable_folder(path.parent, f"checkpoint={str(path)!r}, whose folder")
     if path.is_dir():
         raise ValueError(f"checkpoint={str(path)!r} is a folder: name a file, e.g. runs/ddp.pt.")
     if path.exists() and not _written_by_torch_save(path):
         raise ValueError(
             f"checkpoint={str(path)!r} exists and is not a checkpoint: it would be overwritten. "
             "Name a new file (e.g. runs/ddp.pt), or delete that one if it is yours to lose."
+        )
+
+
+def settings_path(path: str | os.PathLike) -> Path:
+    """The file beside checkpoint ``path`` that records the settings it was trained with
+    (``<path>.json``), so that a resume with other settings is refused before any rank starts."""
+    return Path(f"{path}.json")
+
+
+def save_settings(path: str | os.PathLike, settings: dict) -> None:
+    """Write ``settings`` (JSON: the data set, the batch size, …) beside checkpoint ``path``,
+    atomically; rank 0 calls it with :func:`save_checkpoint`."""
+    target = settings_path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(settings, sort_keys=True))
+    os.replace(tmp, target)
+
+
+def check_same_settings(path: str | os.PathLike | None, settings: dict) -> None:
+    """Refuse to resume from checkpoint ``path`` with ``settings`` other than those it recorded
+    (:func:`save_settings`): its progress (batches done in the epoch, steps planned) would not
+    mean the same thing. A checkpoint without a record is not checked.
+
+    Raises:
+        ValueError: naming each setting that differs, both values, and the fix.
+    """
+    try:
+        saved = json.loads(settings_path(path).read_text()) if path else {}
+    except (OSError, ValueError):
+        return
+    differ = {k: (saved[k], v) for k, v in settings.items() if k in saved and saved[k] != v}
+    if differ:
+        listed = ", ".join(
+            f"{k}={new!r} (the checkpoint's: {old!r})" for k, (old, new) in differ.items()
+        )
+        raise ValueError(
+            f"resume=True from {path}, but {listed}: its progress counts batches of the "
+            "settings it was trained with. Resume with those, or name a new checkpoint file."
         )
 
 

@@ -17,7 +17,10 @@ Datasets (all images ``(3, 32, 32)`` float, standardised; labels int64 in 0…9)
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -25,9 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
+from mgtutorial.common.config import check_writable_folder
+
 DatasetName = Literal["auto", "digits", "cifar10", "synthetic"]
 """The data sets by name (see the module's docstring); the type of a config's ``dataset``."""
 DATASETS = get_args(DatasetName)
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+"""Where torchvision downloads CIFAR-10 from (``torchvision.datasets.CIFAR10.url``)."""
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
@@ -51,14 +58,58 @@ def check_available(
 
     Raises:
         FileNotFoundError: the message says how to fetch it.
+        ValueError: ``download`` into a folder that cannot be written.
+        ConnectionError: ``download``, but the server cannot be reached (offline, a proxy).
     """
-    if name == "cifar10" and not download and not cifar10_on_disk(root):
-        raise FileNotFoundError(
-            f"CIFAR-10 is not in {Path(root or data_root())}. Fetch it once (170 MB) with\n"
-            "    python -m mgtutorial data cifar10\n"
-            "or pass download=True (--download on the command line); set MGTUTORIAL_DATA to keep "
-            "it elsewhere. dataset='digits' (or 'auto') trains offline on real handwritten digits."
-        )
+    if name != "cifar10" or cifar10_on_disk(root):
+        return
+    if download:
+        check_writable_folder(root or data_root(), "data_root (--data-root, --root)")
+        check_reachable(CIFAR10_URL)
+        return
+    raise FileNotFoundError(
+        f"CIFAR-10 is not in {Path(root or data_root())}. Fetch it once (170 MB) with\n"
+        "    .venv/bin/python -m mgtutorial data cifar10\n"
+        "or pass download=True (--download on the command line); set MGTUTORIAL_DATA to keep "
+        "it elsewhere. dataset='digits' (or 'auto') trains offline on real handwritten digits."
+    )
+
+
+def check_reachable(url: str, timeout_s: float = 5.0) -> None:
+    """Raise ``ConnectionError`` unless a TCP connection to ``url``'s host and port opens within
+    ``timeout_s`` seconds: a download is refused before it starts, not half-way in a rank."""
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(
+            f"cannot reach {parts.hostname} to download {url.rsplit('/', 1)[-1]} ({exc}): "
+            "connect to the network (or set https_proxy), copy cifar-10-batches-py/ into the "
+            "data folder by hand, or train offline with dataset='digits'."
+        ) from None
+
+
+def fetch_cifar10(root: str | os.PathLike | None = None) -> Path:
+    """Download CIFAR-10 into ``root`` (default :func:`data_root`) once; returns the folder.
+
+    Checks first that ``root`` can be written and the server reached; if the download fails
+    anyway, the folders this call created are removed again (nothing half-made is left).
+
+    Raises:
+        ValueError: ``root`` is a file or cannot be written. ConnectionError: offline.
+        OSError, RuntimeError: the download or its checksum failed.
+    """
+    root = Path(root or data_root()).absolute()
+    check_available("cifar10", root, download=True)
+    created = [p for p in (root, *root.parents) if not p.exists()]
+    try:
+        load_cifar10(root, download=True)
+    except BaseException:
+        if created:
+            shutil.rmtree(created[-1], ignore_errors=True)  # the outermost folder it made
+        raise
+    return root
 
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
@@ -91,11 +142,12 @@ def load_cifar10(root: str | os.PathLike | None = None, download: bool = False):
     from torchvision import transforms
 
     root = Path(root or data_root())
-    check_available("cifar10", root, download)
     if download and os.environ.get("LOCAL_RANK", "0") != "0":
         # one download per machine: local rank 0 fetches, the other ranks wait for complete files
         wait_for_cifar10(root)
         download = False
+    else:
+        check_available("cifar10", root, download)
     tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
     train = torchvision.datasets.CIFAR10(str(root), train=True, download=download, transform=tf)
     test = torchvision.datasets.CIFAR10(str(root), train=False, download=download, transform=tf)

@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mgtutorial.common import config, data, models
+from mgtutorial.common import checkpoint, config, data, models
 from mgtutorial.common.checkpoint import check_checkpoint_path, load_checkpoint, save_checkpoint
-from mgtutorial.common.config import at_least, positive
+from mgtutorial.common.config import at_least, check_timeout, positive
+from mgtutorial.common.finite import check_loss
 from mgtutorial.ddp.setup import build, log_step, rank_loader
 from mgtutorial.runtime import env, runlog
 
@@ -47,7 +48,7 @@ class DDPConfig(config.Config):
     """The training data ("auto": CIFAR-10 when on disk, else digits; see
     :mod:`mgtutorial.common.data`)."""
     data_root: str | None = None
-    """Dataset folder (default ``$MGTUTORIAL_DATA`` or ``~/.cache/mgtutorial/data``)."""
+    """Dataset folder (default: ``$MGTUTORIAL_DATA``, else ``~/.cache/mgtutorial/data``)."""
     download: bool = False
     """Allow downloading CIFAR-10 if it is missing."""
     seed: int = 0
@@ -68,8 +69,8 @@ class DDPConfig(config.Config):
     evaluate: bool = True
     """Measure test-set accuracy at the end of each epoch."""
     tf32: bool = True
-    """True: torch's defaults (TF32 in cuDNN only, not in matmuls); False: full float32 on GPUs;
-    CPU: no effect."""
+    """Keep torch's TF32 defaults on GPUs (TF32 in cuDNN's convolutions, not in matmuls); turned
+    off, every GPU operation computes in full float32. No effect on CPUs."""
 
     def validate(self, world_size: int) -> None:
         """Called by :func:`mgtutorial.launch` before any process starts.
@@ -82,12 +83,24 @@ class DDPConfig(config.Config):
         at_least(
             self, 1, "epochs", "batch_size", *(("max_steps",) if self.max_steps is not None else ())
         )
-        positive(self, "lr", "timeout_s")
-        at_least(self, 0, "momentum", "seed")
+        positive(self, "lr")
+        check_timeout(self)
+        at_least(self, 0, "momentum")
+        if self.momentum >= 1:
+            raise ValueError(
+                f"momentum={self.momentum!r}: SGD's momentum must be below 1 (at 1 or more each "
+                "step adds more than it forgets, and the weights grow without bound); 0.9 is usual."
+            )
         check_checkpoint_path(self.checkpoint, self.resume)
-        data.check_available(
-            data.resolve_dataset(self.dataset, self.data_root), self.data_root, self.download
-        )
+        dataset = data.resolve_dataset(self.dataset, self.data_root)
+        data.check_available(dataset, self.data_root, self.download)
+        if self.resume:
+            checkpoint.check_same_settings(self.checkpoint, self.settings(dataset))
+
+    def settings(self, dataset: str) -> dict:
+        """What a checkpoint's progress depends on (recorded beside it, compared on resume):
+        the data set (``dataset``: resolved, as "auto" becomes) and the batch size."""
+        return {"dataset": dataset, "batch_size": self.batch_size}
 
 
 class Trainer:
@@ -129,6 +142,9 @@ class Trainer:
                 f"batch(es), step {self.step}"
             )
         self.first_samples = self.samples
+        if cfg.checkpoint and ctx.is_main:  # what the checkpoint's progress means, for a resume
+            dataset = data.resolve_dataset(cfg.dataset, cfg.data_root)
+            checkpoint.save_settings(cfg.checkpoint, cfg.settings(dataset))
 
     def _save(self, epoch: int, batch: int) -> None:
         if self.ctx.is_main:
@@ -178,7 +194,8 @@ class Trainer:
             loss = self._run_batch(x.to(self.ctx.device), y.to(self.ctx.device))
             self.step += 1
             self.samples += len(y)
-            losses.append(self._log_step(epoch, loss))
+            logged = self._log_step(epoch, loss)  # the global loss: every rank stops at once
+            losses.append(check_loss(logged, step=self.step, cfg=self.cfg))
         self.skip = 0
         return sum(losses) / len(losses) if losses else float("nan")  # the epoch's mean loss
 

@@ -25,30 +25,20 @@ from typing import Literal, get_args
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 from mgtutorial.common import models
-from mgtutorial.common.config import Config, at_least, positive, rank_or_none
+from mgtutorial.common.config import Config, at_least, check_timeout, positive, rank_or_none
+from mgtutorial.common.finite import check_loss
 from mgtutorial.pipeline import hand_gpipe, timeline
 from mgtutorial.pipeline.activations import ActivationMeter
+from mgtutorial.pipeline.mlp_data import batches, check_data_fits, mlp_data
 from mgtutorial.runtime import env, runlog
 
 Schedule = Literal["hand-gpipe", "gpipe", "1f1b", "interleaved"]
 """A pipeline schedule: "hand-gpipe" is :mod:`mgtutorial.pipeline.hand_gpipe`'s, the others are
 torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B."""
 SCHEDULES = get_args(Schedule)  # the command line's --schedule choices
-
-
-def mlp_data(
-    n: int = 2048, in_features: int = 1024, num_classes: int = 100, seed: int = 0
-) -> TensorDataset:
-    """Seeded inputs ``(n, in_features)`` with labels from a fixed random linear teacher
-    (learnable). Every rank builds the identical set (same seed): stage 0 needs the inputs, the
-    last stage the labels."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, in_features, generator=g)
-    teacher = torch.randn(in_features, num_classes, generator=g)
-    return TensorDataset(x, (x @ teacher).argmax(1))
+__all__ = ["PipelineConfig", "batches", "mlp_data", "unsplit_reference", "worker"]
 
 
 @dataclass(kw_only=True)
@@ -89,8 +79,8 @@ class PipelineConfig(Config):
         ValueError naming the values."""
         super().validate(nprocs)
         at_least(self, 1, "steps", "batch_size")
-        at_least(self, 0, "seed")
-        positive(self, "lr", "timeout_s")
+        positive(self, "lr")
+        check_timeout(self)
         if len(self.sizes) < 2 or any(not isinstance(w, int) or w < 1 for w in self.sizes):
             raise ValueError(
                 f"sizes={self.sizes!r}: give at least two layer widths, each a positive integer."
@@ -117,9 +107,12 @@ class PipelineConfig(Config):
         stages = nprocs * stages_per_rank(self)
         if stages > len(self.sizes) - 1:
             raise ValueError(
-                f"{stages} stages but the MLP has only {len(self.sizes) - 1} sub-networks."
+                f"{stages} stages but the MLP has only {len(self.sizes) - 1} sub-networks "
+                f"(sizes={self.sizes}): give at least {stages + 1} layer widths (--sizes), or "
+                f"run on fewer ranks (--nproc {len(self.sizes) - 1})."
             )
         rank_or_none(self, "fail_stage", stages, "stage")
+        check_data_fits(self, nprocs)
 
 
 def stages_per_rank(cfg: PipelineConfig) -> int:
@@ -132,14 +125,6 @@ def build_stage(cfg: PipelineConfig, stage: int, num_stages: int) -> nn.Module:
     memory with the other stages once they live in other processes)."""
     env.seed_everything(cfg.seed)
     return models.ArticleMLP(tuple(cfg.sizes)).split(num_stages)[stage]
-
-
-def batches(cfg: PipelineConfig):
-    """The ``cfg.steps`` batches ``(x, y)`` every rank and the reference agree on."""
-    ds = mlp_data(cfg.steps * cfg.batch_size, cfg.sizes[0], cfg.sizes[-1], seed=cfg.seed + 1)
-    for s in range(cfg.steps):  # copies, as a DataLoader's batches are: each its own storage
-        rows = slice(s * cfg.batch_size, (s + 1) * cfg.batch_size)
-        yield ds.tensors[0][rows].clone(), ds.tensors[1][rows].clone()
 
 
 def unsplit_reference(cfg: PipelineConfig) -> tuple[nn.Module, list[float]]:
@@ -248,6 +233,7 @@ def worker(cfg: PipelineConfig) -> dict:
                 log.train(
                     step=step, epoch=0, loss=loss, global_loss=loss, samples=step * cfg.batch_size
                 )
+                check_loss(loss, step=step, cfg=cfg)
         if cfg.save_params:
             for mod, i in zip(modules, ids):
                 torch.save(mod.state_dict(), runlog.run_dir() / f"stage{i}.pt")

@@ -21,6 +21,7 @@ free port. The running job is a :class:`~mgtutorial.runtime.run.Run` (its own mo
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import multiprocessing
 import os
@@ -28,9 +29,11 @@ import secrets
 import socket
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Callable, get_args
 
+from mgtutorial.common.config import check_types, check_writable_folder
 from mgtutorial.runtime import _rank, env, procs, runlog
 from mgtutorial.runtime._rank import import_ref
 from mgtutorial.runtime.run import Run, StartMethod
@@ -89,7 +92,8 @@ def check_config(
         ValueError: ``nprocs`` < 1, or backend vs hardware (see
             :func:`mgtutorial.runtime.env.resolve_backend`).
         WorkerNotImportable: worker or config class not importable by a child.
-        TypeError: config not a dataclass instance or not JSON-serialisable.
+        TypeError: config not a dataclass instance, not the class the worker's first parameter is
+            annotated with (None included), a field of the wrong type, or not JSON-serialisable.
         ValueError: whatever ``cfg.validate(nprocs)`` raises, if the config defines it.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
@@ -103,6 +107,7 @@ def check_config(
             "notebook."
         )
     ref = _ref_of(worker, "worker")
+    _check_worker_takes(worker, cfg)
     if cfg is not None:
         if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
             raise TypeError(f"cfg must be a dataclass instance, got {type(cfg).__name__}.")
@@ -111,9 +116,32 @@ def check_config(
             json.dumps(dataclasses.asdict(cfg))
         except TypeError as exc:
             raise TypeError(f"cfg {type(cfg).__name__} is not JSON-serialisable: {exc}") from None
+        check_types(cfg)  # epochs=2.5 where an int is needed, before the config's own checks
         if callable(getattr(cfg, "validate", None)):
             cfg.validate(nprocs)  # the config's own checks (e.g. divisibility), before any process
     return ref, chosen
+
+
+def _check_worker_takes(worker: Callable, cfg) -> None:
+    """Refuse ``cfg`` when the worker's first parameter is annotated with a config dataclass and
+    ``cfg`` is not an instance of it (``None`` included)."""
+    params = list(inspect.signature(worker).parameters.values())
+    try:
+        hint = typing.get_type_hints(worker).get(params[0].name) if params else None
+    except Exception:  # an annotation that cannot be resolved here: nothing to compare with
+        return
+    if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)) or isinstance(cfg, hint):
+        return
+    name, want = f"{worker.__module__}.{worker.__qualname__}", hint.__name__
+    if cfg is None:
+        raise TypeError(
+            f"cfg=None: worker {name} takes a {want}. Pass {want}() for its defaults (from "
+            f"{hint.__module__}), or {want}(field=value, ...) to change some."
+        )
+    raise TypeError(
+        f"cfg is a {type(cfg).__name__}, but worker {name} takes a {want} (from "
+        f"{hint.__module__}): pass {want}(...), or launch the worker that takes this config."
+    )
 
 
 def launch(
@@ -149,8 +177,8 @@ def launch(
             (a fresh interpreter per rank); default ``$MGTUTORIAL_START_METHOD`` if set.
 
     Raises:
-        ValueError, WorkerNotImportable, TypeError: see :func:`check_config`; a taken
-            ``master_port``; an unknown ``start_method``.
+        ValueError, WorkerNotImportable, TypeError: see :func:`check_config`; a ``runs_dir``
+            that cannot be written; a taken ``master_port``; an unknown ``start_method``.
     """
     if backend and getattr(cfg, "backend", backend) != backend:
         raise ValueError(
@@ -160,6 +188,7 @@ def launch(
     backend = backend or getattr(cfg, "backend", None) or "auto"
     _refuse_in_spawned_child()
     ref, chosen = check_config(worker, cfg, nprocs, backend)
+    check_writable_folder(runs_dir, "runs_dir (--runs-dir)")
     method = _start_method(start_method)
     listener = _listen(master_port)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -222,12 +222,13 @@ class LivePlot:
 
 def follow_terminal(run, png: bool = True):
     """Outside Jupyter: a tqdm bar of steps with the global loss until the run ends; then write
-    ``<run dir>/loss.png``. Returns the RunResult or raises WorkerFailed."""
+    ``<run dir>/loss.png``. The bar appears once the ranks have logged their plan or a step (a run
+    that logs no step, such as ``hello``, shows none), and the line after it starts afresh.
+    Returns the RunResult or raises WorkerFailed."""
     from tqdm.auto import tqdm
 
     reader = runlog.RunReader(run.run_dir)
-    # shown once the ranks have started (and said how many steps)
-    bar = tqdm(desc=run.run_dir.name, unit="step", delay=2.0)
+    bar = None
     try:
         while True:
             try:
@@ -235,12 +236,19 @@ def follow_terminal(run, png: bool = True):
             finally:
                 reader.read_new()
                 prog = progress(reader.records)
-                if prog["total_steps"] and bar.total != prog["total_steps"]:
-                    bar.total = prog["total_steps"]  # the fraction done and the time left
-                    bar.refresh()
-                bar.update(prog["step"] - bar.n)
-                if prog["global_loss"] is not None:
-                    bar.set_postfix(loss=f"{prog['global_loss']:.4f}", ranks=run.alive())
+                if bar is None and (prog["total_steps"] or prog["step"]):
+                    bar = tqdm(
+                        desc=run.run_dir.name,
+                        unit="step",
+                        total=prog["total_steps"],
+                        initial=prog["step"],  # the steps before it count for no rate
+                    )
+                if bar is not None:
+                    if prog["total_steps"] and bar.total != prog["total_steps"]:
+                        bar.total = prog["total_steps"]  # the fraction done and the time left
+                    bar.update(prog["step"] - bar.n)
+                    if prog["global_loss"] is not None:
+                        bar.set_postfix(loss=f"{prog['global_loss']:.4f}", ranks=run.alive())
             if result is not None:
                 return result
             time.sleep(0.25)
@@ -248,18 +256,24 @@ def follow_terminal(run, png: bool = True):
         run.stop()
         raise
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()  # ends the bar's line: what is printed next starts a line of its own
         if png:
             save_loss_png(run.run_dir, reader.records)
 
 
-def watch(run, interval: float = 1.0, title: str | None = None):
+def watch(run=None, interval: float = 1.0, title: str | None = None):
     """Follow ``run`` until it ends: :class:`LivePlot` in Jupyter, :func:`follow_terminal`
-    elsewhere.
+    elsewhere. ``run=None``: the latest run launched from this process
+    (:func:`mgtutorial.runtime.run.last_run`), e.g. after ``launch(...)`` whose result was not kept.
 
-    Returns the RunResult. Raises WorkerFailed (a rank failed) or KeyboardInterrupt (the ranks
-    were stopped).
+    Returns the RunResult. Raises WorkerFailed (a rank failed), KeyboardInterrupt (the ranks
+    were stopped) or LookupError (``run=None`` and nothing was launched yet).
     """
+    if run is None:
+        from mgtutorial.runtime.run import last_run
+
+        run = last_run()
     if in_notebook():
         return LivePlot(run, interval, title).follow()
     return follow_terminal(run)

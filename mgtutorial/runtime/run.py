@@ -6,9 +6,12 @@ Taught in notebooks/00_setup.ipynb (a run, its files, its failure) and used by e
 Built on TorchElastic's process machinery (``torch.distributed.elastic.multiprocessing``,
 https://pytorch.org/docs/stable/elastic/multiprocessing.html), the code ``torchrun`` uses.
 
-A rank that finished and then died in interpreter teardown counts as finished (its result file is
-the proof), with a warning. Every rank is stopped on kernel interrupt, on interpreter exit and when
-the parent dies; no process is left behind. TorchElastic's own loggers, which print a traceback of
+A run lives until it ends or is stopped, whether or not anyone keeps its handle: this module holds
+every unfinished run (a notebook line ``launch(...)`` whose result is dropped still trains), and
+:func:`latest_runs` finds the handles again. A rank that finished and then died in interpreter
+teardown counts as finished (its result file is the proof), with a warning. Every rank is stopped
+on kernel interrupt, on interpreter exit (saying so on stderr) and when the parent dies; no process
+is left behind. TorchElastic's own loggers, which print a traceback of
 their own for every failure, are silenced while a run is active and restored when the last one
 ends (:func:`mgtutorial.runtime.torchelastic.silence_loggers`).
 """
@@ -16,9 +19,11 @@ ends (:func:`mgtutorial.runtime.torchelastic.silence_loggers`).
 from __future__ import annotations
 
 import atexit
+import collections
 import datetime
 import signal
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -41,7 +46,11 @@ StartMethod = Literal["forkserver", "spawn"]
 Status = Literal["running", "succeeded", "failed", "stopped"]
 """Where a run stands (``Run.status``)."""
 
-_ACTIVE: weakref.WeakSet[Run] = weakref.WeakSet()
+_ACTIVE: set[Run] = set()
+"""The unfinished runs of this process, held strongly: a run whose handle nobody keeps must not be
+garbage-collected (its store and processes would go with it)."""
+_LAUNCHED: collections.deque[Run] = collections.deque(maxlen=50)
+"""The latest runs of this process, oldest first (:func:`latest_runs`)."""
 _HANDLED_SIGNALS = tuple(
     getattr(signal, s) for s in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, s)
 )
@@ -129,6 +138,7 @@ class Run:
                     signal.signal(s, h)
         self.pids: dict[int, int] = self._ctx.pids()
         _ACTIVE.add(self)
+        _LAUNCHED.append(self)
 
     def __repr__(self) -> str:
         return f"<Run {self.run_dir.name} nprocs={self.nprocs} status={self.status}>"
@@ -233,10 +243,41 @@ class Run:
         self._close()
 
 
+def latest_runs(n: int = 5) -> list[Run]:
+    """The ``n`` latest runs launched from this process, newest first, each with its ``status``
+    brought up to date (a finished run is collected here, its failure kept for ``wait``/``poll``).
+    ``latest_runs(1)[0]`` is the handle of the last launch, even one whose result was not kept.
+    """
+    runs = list(_LAUNCHED)[::-1][:n]
+    for run in runs:
+        try:
+            run.poll()
+        except Exception:  # a failed or stopped run: its status says so, wait() raises it again
+            pass
+    return runs
+
+
+def last_run() -> Run:
+    """The latest run launched from this process (see :func:`latest_runs`).
+
+    Raises:
+        LookupError: nothing was launched from this process yet.
+    """
+    if not _LAUNCHED:
+        raise LookupError("no run was launched from this process yet: call launch(...) first.")
+    return _LAUNCHED[-1]
+
+
 @atexit.register
 def _stop_all() -> None:
     for run in list(_ACTIVE):
         try:
+            if run.status == "running" and run._ctx.wait(0) is None:
+                print(
+                    f"stopping run {run.run_dir.name}: still running as this process exits "
+                    "(keep launch()'s result and call its wait() to wait for it).",
+                    file=sys.stderr,
+                )
             run.stop(timeout=2)
         except Exception:
             pass

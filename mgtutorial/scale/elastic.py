@@ -53,6 +53,11 @@ class ElasticConfig(DDPConfig):
         super().validate(nprocs)
         check_choices(self)  # fail_how is one of its Literal's values
         at_least(self, 0, "checkpoint_every")
+        if self.checkpoint_every and not self.checkpoint:
+            raise ValueError(
+                f"checkpoint_every={self.checkpoint_every} needs a file to write the snapshots "
+                "to: set checkpoint (--checkpoint runs/elastic.pt), or leave checkpoint_every 0."
+            )
         if self.fail_step != -1:
             at_least(self, 1, "fail_step", hint=" (or -1: never), a step the rank logs")
         rank_or_none(self, "fail_rank", nprocs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mgtutorial.common.finite import check_loss
 from mgtutorial.runtime import env
 
 
@@ -69,7 +70,7 @@ def train(model, step_fn, cfg, ctx, zero_grad) -> list[float]:
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         step_fn()
-        losses.append(loss.item())
+        losses.append(check_loss(loss.item(), step=step + 1, cfg=cfg))
     return losses
 
 

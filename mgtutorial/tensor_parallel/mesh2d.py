@@ -15,6 +15,7 @@ import itertools
 import torch
 
 from mgtutorial import ddp
+from mgtutorial.common.finite import check_loss
 from mgtutorial.runtime import env, runlog
 from mgtutorial.tensor_parallel.config import MeshConfig, batches
 from mgtutorial.tensor_parallel.pitfalls import clip_grad_norm, raised
@@ -70,6 +71,7 @@ def mesh_worker(cfg: MeshConfig) -> dict:
             opt.zero_grad()
             samples = step * len(x)
             record = ddp.log_step(log, ctx, step=step, epoch=0, loss=loss.item(), samples=samples)
+            check_loss(record["global_loss"], step=step, cfg=cfg)
             losses.append(record["loss"])
         full = {k: p.full_tensor().detach().cpu() for k, p in block.named_parameters()}
         if ctx.is_main:

@@ -183,7 +183,7 @@ def check_cifar10() -> Row:
         "CIFAR-10",
         WARN,
         f"not in {root}; the chapters use the bundled digits instead",
-        "optional, before the workshop (170 MB): python -m mgtutorial data cifar10",
+        "optional, before the workshop (170 MB): .venv/bin/python -m mgtutorial data cifar10",
     )
 
 

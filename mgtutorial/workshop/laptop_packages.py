@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata as metadata
+import os
 import platform
 import subprocess
 import sys
@@ -38,12 +39,36 @@ class Row:
     fix: str = ""
 
 
+def course_venv() -> Path:
+    """The course's own environment: ``.venv`` beside pyproject.toml (``make`` creates it)."""
+    return Path(__file__).resolve().parents[2] / ".venv"
+
+
+def outside_environment() -> str:
+    """Why this interpreter is not where the course installs its packages ("" when it is): another
+    Python while the course's ``.venv`` exists, or, with no ``.venv``, the system's own Python
+    (neither a virtual environment nor conda), into which pip would install gigabytes."""
+    venv = course_venv()
+    if venv.is_dir():
+        if Path(sys.prefix).resolve() == venv.resolve():
+            return ""
+        return f"this is {sys.executable}, not the course's {venv / 'bin' / 'python'}"
+    if sys.prefix == sys.base_prefix and not os.environ.get("CONDA_PREFIX"):
+        return f"{sys.executable} is the system's Python, not a virtual environment"
+    return ""
+
+
 def pip_fix(spec: str, reinstall: bool = False) -> str:
-    """The install command a fix line prints, for this interpreter, online and from a wheel
-    folder."""
+    """The install command a fix line prints, online and from a wheel folder: for the course's
+    ``.venv`` when it exists, else for this interpreter; none when this interpreter is not the
+    course's environment (:func:`outside_environment`: the python row says what to run)."""
+    if outside_environment():
+        return "fix the python row first: the course's packages go into .venv, not here"
+    venv = course_venv()
+    python = ".venv/bin/python" if venv.is_dir() else Path(sys.executable).name
     again = "--force-reinstall " * reinstall
     offline = "(offline: add --no-index --find-links wheels)"
-    return f"{Path(sys.executable).name} -m pip install {again}'{spec}'  {offline}"
+    return f"{python} -m pip install {again}'{spec}'  {offline}"
 
 
 def _packaging():
@@ -84,10 +109,19 @@ def requirements() -> tuple[str, list]:
 
 
 def check_python(spec: str) -> Row:
-    """This interpreter's version against ``spec`` (pyproject's requires-python, e.g. ">=3.10")."""
+    """This interpreter's version against ``spec`` (pyproject's requires-python, e.g. ">=3.10");
+    a warning when it is not the course's environment (:func:`outside_environment`)."""
     SpecifierSet = _packaging()[1]
     version = platform.python_version()
     if SpecifierSet(spec).contains(version):
+        if outside := outside_environment():
+            return Row(
+                "python",
+                WARN,
+                f"{version} (needs {spec}), but {outside}: the rows below check this one",
+                "run `make check`, or `.venv/bin/python -m mgtutorial check` once `make lab` "
+                "has made .venv; install nothing into this interpreter",
+            )
         return Row("python", PASS, f"{version} (needs {spec}) at {sys.executable}")
     return Row(
         "python",

@@ -1,6 +1,6 @@
 """The pieces of chapter 03's checkers that need no ranks: the patched collectives, the hint for
 a sum instead of a mean (mgtutorial/exercises/ddp_checks.py), and Join's one-process reference
-(mgtutorial/exercises/ch03b_join.py); then wrong answers run in ranks, each checker failing with its
+(mgtutorial/exercises/ch03c.py); then wrong answers run in ranks, each checker failing with its
 own hint. Both ways on the notebooks' solutions and starters: tests/test_exercises.py."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 
 from mgtutorial import ddp, exercises
 from mgtutorial.exercises import ExerciseError
-from mgtutorial.exercises.ch03b_join import JoinConfig, join_model, join_reference, uneven_batches
+from mgtutorial.exercises.ch03c import JoinConfig, join_model, join_reference, uneven_batches
 from mgtutorial.exercises.ddp_checks import compare_with_reference, patched
 from mgtutorial.runtime import env
 
@@ -81,6 +81,36 @@ HOOK = """import torch, torch.distributed as dist
 def fp16_allreduce_hook(state, bucket):
     buffer = bucket.buffer()
 """
+BUCKETS = """import torch, torch.distributed as dist
+from mgtutorial.ddp.by_hand import BucketsByHand
+class MyBucketedDDP(BucketsByHand):
+    def grad_ready(self, p):
+        b = self.bucket_of[p]
+        self.ready[b] += 1
+        if self.ready[b] == len(self.buckets[b]){never}:
+            grads = [q.grad for q in self.buckets[b]]
+            flat = torch.cat([g.flatten() for g in grads])
+            self.pending.append((dist.all_reduce(flat, async_op=True), flat, grads))
+    def finish_gradient_sync(self):
+        for work, flat, grads in self.pending:
+            work.wait()
+            {divide}
+            for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(piece.view_as(g))
+        self.pending.clear()
+        self.ready = [0] * len(self.buckets)
+def train_step(model, loss_fn, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    {order}
+    return loss.item()
+"""
+RIGHT = dict(
+    never="",
+    divide="flat /= self.world_size",
+    order="model.finish_gradient_sync()\n    optimizer.step()",
+)
 WRONG = {
     "ring, whole tensors in the all-gather": (
         "ch03a.ring_all_reduce",
@@ -178,22 +208,23 @@ def average_gradients(model, world_size):
 """,
         r"moved [12]\.\d× as far .* divide by the world size",
     ),
-    "no_sync, the first micro-batch synchronised": (
-        "ch03b.no_sync_accumulation",
-        """import contextlib
-def accumulate(model, loss_fn, micro_batches):
-    k, total = len(micro_batches), 0.0
-    for i, (x, y) in enumerate(micro_batches):
-        with contextlib.nullcontext() if i == 0 else model.no_sync():
-            loss = loss_fn(model(x), y) / k
-            loss.backward()
-        total += loss.item()
-    return total
-""",
-        "must be the last micro-batch's",
+    "buckets, wait after step": (
+        "ch03b.bucketed_by_hand",
+        BUCKETS.format(**{**RIGHT, "order": "optimizer.step()\n    model.finish_gradient_sync()"}),
+        r"optimizer.step\(\) ran while 2 all-reduce\(s\) were still in flight",
+    ),
+    "buckets, no division": (
+        "ch03b.bucketed_by_hand",
+        BUCKETS.format(**{**RIGHT, "divide": "pass"}),
+        r"moved [12]\.\d× as far .* divide by the world size",
+    ),
+    "buckets, the last bucket never launched": (
+        "ch03b.bucketed_by_hand",
+        BUCKETS.format(**{**RIGHT, "never": " and b == 0"}),
+        r"the all-reduce of bucket\(s\) \[1\] was never launched",
     ),
     "join, rank 0 stalls in its second step": (
-        "ch03b.join_uneven",
+        "ch03c.join_uneven",
         """import os, time
 from torch.distributed.algorithms.join import Join
 def train_uneven(model, optimizer, loss_fn, batches):
@@ -259,5 +290,5 @@ def train_uneven(model, optimizer, loss_fn, batches):
             loss_fn(model(x), y).backward()
             optimizer.step()
 """)
-    exercises.ch03b.join_uneven("answer.py")
-    assert capsys.readouterr().out.startswith("✓ 03b.4 join: ")
+    exercises.ch03c.join_uneven("answer.py")
+    assert capsys.readouterr().out.startswith("✓ 03c.1 join: ")

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from mgtutorial import ddp
+from mgtutorial.common.compare import counting_mode
 from mgtutorial.runtime import env
 
 
@@ -38,6 +39,9 @@ class HooksConfig(ddp.DDPConfig):
     accumulation_steps: int = 1
     """Micro-batches per optimizer step; all but the last run under ``no_sync`` (no
     communication)."""
+    count_collectives: bool = False
+    """Count each step's collectives with ``CommDebugMode`` (logged as ``collectives``); it adds
+    work to every operation, so the timed runs leave it off."""
 
     def validate(self, world_size: int) -> None:
         """:meth:`DDPConfig.validate` plus ``accumulation_steps`` ≥ 1. Raises ValueError."""
@@ -75,7 +79,9 @@ class AccumulationTrainer(ddp.Trainer):
     micro-batch's loss is divided by their number, so the gradient is the mean over all of them.
     ``max_steps`` counts optimizer steps, as everywhere.
 
-    Logs a ``kind="sync"`` record per step: ``allreduce_calls``, ``bucket_sizes`` (elements),
+    Logs a ``kind="sync"`` record per step: ``collectives`` (``{name: calls}`` in forward and
+    backward, from ``CommDebugMode``, with ``count_collectives``; else None), ``allreduce_calls``
+    (the hook's), ``bucket_sizes`` (elements),
     ``bucket_launched`` and ``bucket_done`` (unix s, per bucket), ``backward_start`` and
     ``backward_end`` (unix s, around the last micro-batch's ``backward()``).
     """
@@ -93,18 +99,21 @@ class AccumulationTrainer(ddp.Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         self.buckets["buckets"].clear()
         k, total = self.cfg.accumulation_steps, 0.0
-        for micro, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
-            with self.model.no_sync() if micro < k - 1 else contextlib.nullcontext():
-                loss = self.loss_fn(self.model(xm), ym) / k
-                t0 = time.time()
-                loss.backward()  # DDP all-reduces only in the last micro-batch's backward
-                t1 = time.time()
-            total += loss.item()
+        counting = counting_mode() if self.cfg.count_collectives else contextlib.nullcontext()
+        with counting:
+            for micro, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
+                with self.model.no_sync() if micro < k - 1 else contextlib.nullcontext():
+                    loss = self.loss_fn(self.model(xm), ym) / k
+                    t0 = time.time()
+                    loss.backward()  # DDP all-reduces only in the last micro-batch's backward
+                    t1 = time.time()
+                total += loss.item()
         self.optimizer.step()
         b = self.buckets["buckets"]
         self.log.write(
             kind="sync",
             step=self.step + 1,
+            collectives=counting.counts() if self.cfg.count_collectives else None,
             allreduce_calls=len(b),
             bucket_sizes=[s["elements"] for s in b],
             bucket_launched=[s["launched"] for s in b],

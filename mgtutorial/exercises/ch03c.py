@@ -1,7 +1,6 @@
-"""Checker of chapter 03b's exercise 03b.4 (notebooks/03b_ddp_internals.ipynb): uneven inputs
-with ``Join``, against one process that divides the gradients of the ranks still training by the
-world size (without ``Join``, a collective timeout of 3 s on DDP's group ends the job). Called as
-``ex.ch03b.join_uneven`` (:mod:`mgtutorial.exercises.ch03b` has the chapter's other checkers).
+"""Checker of chapter 03c's exercise (notebooks/03c_ddp_pitfalls.ipynb): uneven inputs with
+``Join``, against one process that divides the gradients of the ranks still training by the world
+size (without ``Join``, a collective timeout of 3 s on DDP's group ends the job).
 """
 
 from __future__ import annotations
@@ -112,11 +111,11 @@ def join_reference(cfg: JoinConfig, world_size: int) -> dict:
     return model.state_dict()
 
 
-def join_uneven(path: str = "ex03b_join.py") -> None:
-    """03b.4: ``train_uneven(model, optimizer, loss_fn, batches)`` in ``path`` trains every batch
+def join_uneven(path: str = "ex03c_join.py") -> None:
+    """03c.1: ``train_uneven(model, optimizer, loss_fn, batches)`` in ``path`` trains every batch
     although the last rank has 2 more; without ``Join`` the ranks fail after the 3 s timeout.
     Compares every rank with :func:`join_reference`."""
-    ex = "03b.4 join"
+    ex = "03c.1 join"
     function_from(path, "train_uneven", ex)
     cfg = JoinConfig(path=str(Path(path).resolve()))
     try:
@@ -153,3 +152,6 @@ def join_uneven(path: str = "ex03b_join.py") -> None:
         f"the last rank trained {cfg.extra} batches more, nobody timed out, and every rank equals "
         "one process summing the gradients of the ranks still training ÷ world size",
     )
+
+
+__all__ = ["join_uneven"]

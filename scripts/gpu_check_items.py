@@ -825,7 +825,7 @@ def exercise_06b1_nccl(w: Where) -> dict:
 
 @item(
     "sync_batchnorm",
-    chapter="03b_ddp_internals",
+    chapter="03c_ddp_pitfalls",
     min_gpus=2,
     timeout_s=120,
     what="SyncBatchNorm on N GPUs == BatchNorm2d on the combined batch (outputs, statistics, "

@@ -111,6 +111,24 @@ RIGHT = dict(
     divide="flat /= self.world_size",
     order="model.finish_gradient_sync()\n    optimizer.step()",
 )
+JOIN = """import os, time, torch, torch.distributed as dist
+from torch.distributed.algorithms.join import Join
+{prelude}
+def train_uneven(model, optimizer, loss_fn, batches):
+    total = torch.zeros(2)
+    with Join([model]):
+        for x, y in batches:
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            {record}
+    {reduce}
+    return (total[0] / total[1]).item()
+"""
+RIGHT_JOIN = dict(
+    prelude="", record="total += torch.tensor([loss.item(), 1.0])", reduce="dist.all_reduce(total)"
+)
 WRONG = {
     "ring, whole tensors in the all-gather": (
         "ch03a.ring_all_reduce",
@@ -238,6 +256,18 @@ def train_uneven(model, optimizer, loss_fn, batches):
 """,
         "timed out in step 2 of 6, where every rank still trains: the machine was too busy",
     ),
+    "join, the loss all-reduced in every step": (
+        "ch03c.join_uneven",
+        JOIN.format(
+            record="t = loss.detach().clone(); dist.all_reduce(t); losses.append(t.item())"
+        ),
+        "rank 0 had trained its 4 batches and waited inside Join .* which Join does not shadow",
+    ),
+    "join, each rank's own mean": (
+        "ch03c.join_uneven",
+        JOIN.format(**{**RIGHT_JOIN, "reduce": "pass"}),
+        "the ranks returned different mean losses",
+    ),
 }
 
 
@@ -279,16 +309,7 @@ def test_join_passes_when_a_rank_starts_late(tmp_path, monkeypatch, capsys):
     """Rank 1 imports the module 4 s late (longer than DDP's 3 s timeout): no error, since only
     DDP's own group has the short timeout."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "answer.py").write_text("""import os, time
-from torch.distributed.algorithms.join import Join
-if os.environ.get("RANK") == "1":
-    time.sleep(4)
-def train_uneven(model, optimizer, loss_fn, batches):
-    with Join([model]):
-        for x, y in batches:
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(x), y).backward()
-            optimizer.step()
-""")
+    late = 'if os.environ.get("RANK") == "1":\n    time.sleep(4)'
+    (tmp_path / "answer.py").write_text(JOIN.format(**{**RIGHT_JOIN, "prelude": late}))
     exercises.ch03c.join_uneven("answer.py")
     assert capsys.readouterr().out.startswith("✓ 03c.1 join: ")

@@ -29,6 +29,7 @@ CHAPTERS = (
     "02_ddp",
     "03a_collectives",
     "03b_ddp_internals",
+    "03c_ddp_pitfalls",
     "04_model_parallel",
     "05a_torchrun_multinode",
     "05b_elastic_and_hangs",
@@ -129,7 +130,7 @@ def check_cell_count(nb) -> list[str]:
     return problems
 
 
-_EXERCISE = re.compile(r"^### Exercise (\d\d[ab]?\.\d+) — .+ \(≈ \d+ min\)$", re.M)
+_EXERCISE = re.compile(r"^### Exercise (\d\d[a-c]?\.\d+) — .+ \(≈ \d+ min\)$", re.M)
 
 
 def check_exercises(nb) -> list[str]:

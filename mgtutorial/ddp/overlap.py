@@ -140,3 +140,39 @@ def hooks_worker(cfg: HooksConfig) -> dict:
         )
         model, train_set, test_set, optimizer = ddp.build(cfg, ctx, wrap=wrap)
         return AccumulationTrainer(model, train_set, test_set, optimizer, ctx, cfg).train()
+
+
+def timeline_figure(runs: dict[str, list[dict]]):
+    """One panel per run: for each step's ``kind="sync"`` record, the ``backward()`` call as a grey
+    bar and each all-reduce as a line from its launch to its completion, in ms since
+    ``backward()`` was called. ``runs`` maps a title to its records (one rank's). Returns a
+    matplotlib ``Figure``."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 1.2 + 1.3 * len(runs)), layout="constrained")
+    axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, records) in zip(axes, runs.items()):
+        for rec in records:
+            t0, y = rec["backward_start"], rec["step"]
+            ax.barh(y, (rec["backward_end"] - t0) * 1e3, height=0.7, color="lightgray")
+            n = len(rec["bucket_launched"])
+            for b, (start, end) in enumerate(zip(rec["bucket_launched"], rec["bucket_done"])):
+                end = start if end is None else end
+                dy = 0.55 * (b / max(n - 1, 1) - 0.5)
+                ax.plot(
+                    [(start - t0) * 1e3, (end - t0) * 1e3],
+                    [y + dy] * 2,
+                    "-|",
+                    lw=2,
+                    ms=5,
+                    color=f"C{b % 10}",
+                )
+        ax.set_title(
+            f"{title}: grey, backward(); lines, each all-reduce from launch to done",
+            loc="left",
+            fontsize=9,
+        )
+        ax.set_ylabel("step")
+        ax.set_yticks(sorted({rec["step"] for rec in records}))
+    axes[-1].set_xlabel("ms since backward() was called")
+    return fig

@@ -11,7 +11,7 @@ from torch.utils.data import DistributedSampler
 
 from mgtutorial import ddp
 from mgtutorial.common import data
-from mgtutorial.common.compare import max_abs_diff
+from mgtutorial.common.compare import float32_tolerance, max_abs_diff
 from mgtutorial.exercises._common import (
     ExerciseError,
     answered,
@@ -208,7 +208,7 @@ def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
     diff = max_abs_diff(ddp.combined_batch_reference(cfg, nprocs).state_dict(), state)
     gpus = env.resolve_backend("auto", nprocs) == "nccl"
-    equal = diff < (1e-4 if gpus else 1e-5)  # GPU float32 vs the CPU reference: more rounding
+    equal = diff < float32_tolerance("cuda" if gpus else "cpu")  # chapter 02's tolerance
     require(
         guess["equal"] == equal,
         ex,

@@ -1,6 +1,7 @@
 """Chapter 03b's DDP by hand with overlap (per parameter, then bucketed) against DDP and one
-process on the combined batch, and the collectives counted per step with ``CommDebugMode``
-(chapter 03c: ``find_unused_parameters``' extra all-reduce, ``Join``'s two). Gloo, 2 ranks."""
+process on the combined batch, the gradients' storages with ``gradient_as_bucket_view``, and the
+collectives counted per step with ``CommDebugMode`` (chapter 03c: ``find_unused_parameters``'
+extra all-reduce, ``Join``'s two). Gloo, 2 ranks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from mgtutorial import ddp, launch
+from mgtutorial.common import models
 from mgtutorial.ddp import by_hand, internals, overlap
 from mgtutorial.runtime import runlog
 
@@ -85,3 +87,13 @@ def test_collectives_counted_per_step_unused_parameters_and_join(runs, no_leftov
     assert hooked[True] == [2] * 4 and calls[True] == [3] * 4  # + the used-parameter map
     steps = _records(joined.wait(timeout=120), "train_local")
     assert [s["collectives"]["all_reduce"] for s in steps] == [3, 4, 4, 4]  # + Join's two
+    own = [4 * p.numel() for p in models.ArticleCNN().parameters()]
+    assert all(s["grad_storages"] == own for s in syncs[False])  # a tensor per gradient
+
+
+@pytest.mark.timeout(120)
+def test_gradient_as_bucket_view_puts_the_gradients_in_the_buckets(runs, no_leftovers):
+    cfg = overlap.HooksConfig(gradient_as_bucket_view=True, **COMMON)
+    syncs = _records(launch(overlap.hooks_worker, cfg, 2, runs_dir=runs).wait(timeout=90), "sync")
+    for s in syncs:
+        assert sorted(s["grad_storages"]) == sorted(4 * n for n in s["bucket_sizes"])

@@ -259,7 +259,11 @@ def train_uneven(model, optimizer, loss_fn, batches):
     "join, the loss all-reduced in every step": (
         "ch03c.join_uneven",
         JOIN.format(
-            record="t = loss.detach().clone(); dist.all_reduce(t); losses.append(t.item())"
+            **{
+                **RIGHT_JOIN,
+                "record": "t = loss.detach().clone(); dist.all_reduce(t); "
+                "total += torch.tensor([t.item(), 1.0])",
+            }
         ),
         "rank 0 had trained its 4 batches and waited inside Join .* which Join does not shadow",
     ),

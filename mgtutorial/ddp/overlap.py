@@ -36,6 +36,8 @@ class HooksConfig(ddp.DDPConfig):
     """Passed to DDP; with it (and no ``static_graph``) DDP never rebuilds its buckets."""
     static_graph: bool = False
     """Passed to DDP: the graph is the same every step (buckets rebuilt once, before step 3)."""
+    gradient_as_bucket_view: bool = False
+    """Passed to DDP: each ``.grad`` is a view into its bucket instead of a tensor of its own."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer step; all but the last run under ``no_sync`` (no
     communication)."""
@@ -72,6 +74,18 @@ def counting_allreduce_hook(state, bucket):
     return default_hooks.allreduce_hook(None, bucket).then(done)
 
 
+def grad_storages(model: torch.nn.Module) -> list[int]:
+    """Bytes of each distinct storage that holds a parameter's ``.grad`` (in first-seen order):
+    one per gradient when each has its own tensor, one per bucket when the gradients are views
+    into DDP's buckets (``gradient_as_bucket_view=True``)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            storage = p.grad.untyped_storage()
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
+    return list(seen.values())
+
+
 class AccumulationTrainer(ddp.Trainer):
     """:class:`~mgtutorial.ddp.Trainer` whose step accumulates gradients over
     ``accumulation_steps`` micro-batches of ``cfg.batch_size`` (its loader deals ``batch_size ×
@@ -83,7 +97,8 @@ class AccumulationTrainer(ddp.Trainer):
     backward, from ``CommDebugMode``, with ``count_collectives``; else None), ``allreduce_calls``
     (the hook's), ``bucket_sizes`` (elements),
     ``bucket_launched`` and ``bucket_done`` (unix s, per bucket), ``backward_start`` and
-    ``backward_end`` (unix s, around the last micro-batch's ``backward()``).
+    ``backward_end`` (unix s, around the last micro-batch's ``backward()``), ``grad_storages``
+    (:func:`grad_storages`, after the step).
     """
 
     def __init__(
@@ -120,6 +135,7 @@ class AccumulationTrainer(ddp.Trainer):
             bucket_done=[s.get("done") for s in b],
             backward_start=t0,
             backward_end=t1,
+            grad_storages=grad_storages(self.model),
         )
         return total
 
@@ -136,6 +152,7 @@ def hooks_worker(cfg: HooksConfig) -> dict:
             ddp.apply_ddp,
             bucket_cap_mb=cfg.bucket_cap_mb,
             static_graph=cfg.static_graph,
+            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
             find_unused_parameters=cfg.find_unused_parameters,
         )
         model, train_set, test_set, optimizer = ddp.build(cfg, ctx, wrap=wrap)

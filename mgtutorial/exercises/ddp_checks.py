@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mgtutorial import ddp
-from mgtutorial.common.compare import max_abs_diff
+from mgtutorial.common.compare import float32_tolerance, max_abs_diff
 from mgtutorial.exercises._common import ExerciseError, require
 from mgtutorial.runtime import env, runlog
 
@@ -82,11 +82,12 @@ def compare_with_reference(
     ex: str,
     ranks: list[dict],
     cfg: ddp.DDPConfig,
-    tol: float = 1e-5,
+    tol: float | None = None,
     what: str = "the mean of the ranks' gradients",
     unsynced: str = "",
 ) -> float:
-    """Require every rank's parameters equal (< 1e-6) and rank 0's equal (< ``tol``) to
+    """Require every rank's parameters equal (< 1e-6) and rank 0's equal (< ``tol``; default
+    chapter 02's float32 tolerance for the device the ranks ran on) to
     ``ddp.combined_batch_reference(cfg)``; the hint says how far they moved against the reference
     (2× on 2 ranks: a sum, not a mean). ``unsynced`` ends the hint when the ranks differ (default:
     all-reduce the gradients). Returns the largest difference to the reference."""
@@ -102,6 +103,9 @@ def compare_with_reference(
     init = ddp.build(cfg, env.DistContext.single_process())[0].state_dict()
     reference = ddp.combined_batch_reference(cfg, len(ranks)).state_dict()
     d = max_abs_diff(ranks[0], reference)
+    if tol is None:
+        gpus = env.resolve_backend(cfg.backend, len(ranks)) == "nccl"
+        tol = float32_tolerance("cuda" if gpus else "cpu")
     if d < tol:
         return d
     moved = _displacement(ranks[0], init) / _displacement(reference, init)

@@ -1,7 +1,7 @@
 """DDP's pitfalls: parameters the loss never uses (``find_unused_parameters``) and uneven inputs
 (a collective timeout, then ``Join``).
 
-Taught in notebooks/03b_ddp_internals.ipynb (sections 4 and 7). Follows
+Taught in notebooks/03c_ddp_pitfalls.ipynb (sections 1 and 3). Follows
 https://pytorch.org/docs/stable/notes/ddp.html and
 https://pytorch.org/tutorials/advanced/generic_join.html (``Join``). Buckets, hooks and
 accumulation are in :mod:`mgtutorial.ddp.overlap`, SyncBatchNorm in :mod:`mgtutorial.ddp.batchnorm`.

@@ -1,7 +1,7 @@
 """What DDP adds to DDP by hand: buckets, their all-reduces overlapping ``backward()``,
 communication hooks, and gradient accumulation with ``no_sync``.
 
-Taught in notebooks/03b_ddp_internals.ipynb (sections 1, 2, 3 and 5); notebook 03a runs
+Taught in notebooks/03b_ddp_internals.ipynb (sections 1, 2, 4 and 5); notebook 03a runs
 :func:`hooks_worker` as its DDP. Follows https://pytorch.org/docs/stable/notes/ddp.html (buckets,
 overlap, ``no_sync``) and https://pytorch.org/docs/stable/ddp_comm_hooks.html.
 

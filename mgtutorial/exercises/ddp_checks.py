@@ -3,8 +3,9 @@ while the learner's code runs in a rank (:func:`patched`), each rank's parameter
 directory, and the comparison with one process on the combined batch, whose hint tells a sum from a
 mean (:func:`compare_with_reference`).
 
-Used by :mod:`mgtutorial.exercises.ch03a` and :mod:`mgtutorial.exercises.ch03b`
-(notebooks/03a_collectives.ipynb, notebooks/03b_ddp_internals.ipynb).
+Used by :mod:`mgtutorial.exercises.ch03a`, :mod:`mgtutorial.exercises.ch03b` and
+:mod:`mgtutorial.exercises.ch03b_buckets` (notebooks/03a_collectives.ipynb,
+notebooks/03b_ddp_internals.ipynb).
 """
 
 from __future__ import annotations

@@ -92,8 +92,11 @@ def test_collectives_counted_per_step_unused_parameters_and_join(runs, no_leftov
 
 
 @pytest.mark.timeout(120)
-def test_gradient_as_bucket_view_puts_the_gradients_in_the_buckets(runs, no_leftovers):
-    cfg = overlap.HooksConfig(gradient_as_bucket_view=True, **COMMON)
+def test_gradient_as_bucket_view_and_autocast(runs, no_leftovers):
+    """The gradients live in the buckets; under autocast the buckets stay float32."""
+    cfg = overlap.HooksConfig(gradient_as_bucket_view=True, autocast=True, **COMMON)
     syncs = _records(launch(overlap.hooks_worker, cfg, 2, runs_dir=runs).wait(timeout=90), "sync")
     for s in syncs:
         assert sorted(s["grad_storages"]) == sorted(4 * n for n in s["bucket_sizes"])
+        assert s["logits_dtype"] == "torch.bfloat16"
+        assert s["bucket_dtypes"] == ["torch.float32"] * len(s["bucket_sizes"])

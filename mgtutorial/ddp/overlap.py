@@ -41,6 +41,8 @@ class HooksConfig(ddp.DDPConfig):
     accumulation_steps: int = 1
     """Micro-batches per optimizer step; all but the last run under ``no_sync`` (no
     communication)."""
+    autocast: bool = False
+    """Run the forward pass under ``torch.autocast`` in bfloat16 (the loss in float32)."""
     count_collectives: bool = False
     """Count each step's collectives with ``CommDebugMode`` (logged as ``collectives``); it adds
     work to every operation, so the timed runs leave it off."""
@@ -60,11 +62,14 @@ def counting_allreduce_hook(state, bucket):
     because DDP checks the annotation's *object*, which ``from __future__ import annotations`` turns
     into a string.
 
-    ``state["buckets"]`` collects one dict per call: ``index``, ``elements``, ``launched`` and
+    ``state["buckets"]`` collects one dict per call: ``index``, ``elements``, ``dtype`` (the
+    buffer's, as ``str(torch.dtype)``), ``launched`` and
     ``done`` (unix s; ``done`` is set by the future's callback: on gloo when the data has been
     exchanged, on NCCL when the all-reduce is queued on its CUDA stream).
     """
-    rec = {"index": bucket.index(), "elements": bucket.buffer().numel(), "launched": time.time()}
+    buffer = bucket.buffer()
+    rec = {"index": bucket.index(), "elements": buffer.numel(), "dtype": str(buffer.dtype)}
+    rec["launched"] = time.time()
     state["buckets"].append(rec)
 
     def done(fut):
@@ -95,10 +100,10 @@ class AccumulationTrainer(ddp.Trainer):
 
     Logs a ``kind="sync"`` record per step: ``collectives`` (``{name: calls}`` in forward and
     backward, from ``CommDebugMode``, with ``count_collectives``; else None), ``allreduce_calls``
-    (the hook's), ``bucket_sizes`` (elements),
-    ``bucket_launched`` and ``bucket_done`` (unix s, per bucket), ``backward_start`` and
-    ``backward_end`` (unix s, around the last micro-batch's ``backward()``), ``grad_storages``
-    (:func:`grad_storages`, after the step).
+    (the hook's), ``bucket_sizes`` (elements), ``bucket_dtypes``, ``logits_dtype`` (the forward
+    pass's output), ``bucket_launched`` and ``bucket_done`` (unix s, per bucket),
+    ``backward_start`` and ``backward_end`` (unix s, around the last micro-batch's
+    ``backward()``), ``grad_storages`` (:func:`grad_storages`, after the step).
     """
 
     def __init__(
@@ -118,7 +123,9 @@ class AccumulationTrainer(ddp.Trainer):
         with counting:
             for micro, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
                 with self.model.no_sync() if micro < k - 1 else contextlib.nullcontext():
-                    loss = self.loss_fn(self.model(xm), ym) / k
+                    with torch.autocast(xm.device.type, torch.bfloat16, enabled=self.cfg.autocast):
+                        logits = self.model(xm)
+                    loss = self.loss_fn(logits.float(), ym) / k
                     t0 = time.time()
                     loss.backward()  # DDP all-reduces only in the last micro-batch's backward
                     t1 = time.time()
@@ -131,6 +138,8 @@ class AccumulationTrainer(ddp.Trainer):
             collectives=counting.counts() if self.cfg.count_collectives else None,
             allreduce_calls=len(b),
             bucket_sizes=[s["elements"] for s in b],
+            bucket_dtypes=[s["dtype"] for s in b],
+            logits_dtype=str(logits.dtype),
             bucket_launched=[s["launched"] for s in b],
             bucket_done=[s.get("done") for s in b],
             backward_start=t0,

@@ -148,3 +148,11 @@ def test_epoch_line_is_epoch_mean_and_throughput_counts_training_time(runs, no_l
     for v in res.values.values():
         assert v["samples"] == 2 * 128
         assert v["samples_per_s"] * v["train_time_s"] == pytest.approx(v["samples"])
+
+
+def test_the_reference_refuses_more_steps_than_epoch_0_has():
+    """256 synthetic samples on 2 ranks of 64 are 2 steps: the ranks would go on into epoch 1."""
+    cfg = ddp.DDPConfig(dataset="synthetic", batch_size=64, max_steps=4, evaluate=False)
+    with pytest.raises(ValueError, match="epoch 0 has 2 steps of 64 per rank on 2 rank"):
+        ddp.combined_batch_reference(cfg, 2)
+    assert ddp.combined_batch_reference(cfg, 1) is not None  # 4 steps of 64 on one rank fit

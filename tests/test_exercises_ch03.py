@@ -293,7 +293,7 @@ def test_checkers_name_what_is_wrong(name, tmp_path, monkeypatch):
     [
         (
             {0.001: [650, 401472, 2432], 0.005: [402122, 2400, 32]},
-            "DDP made 4 buckets, not 3: .* not in model.parameters",
+            "DDP did not make 3 buckets: .* not in model.parameters",
         ),
         (
             {0.001: [650, 401472, 2400, 32], 0.005: ["402122", 2400, 32]},

@@ -66,14 +66,14 @@ def failing_rank(cfg: ElasticConfig, predicted: dict) -> None:
     require(
         guess["rank"] == failed.rank,
         ex,
-        f"the error names rank {failed.rank}, you predicted "
-        f"{guess['rank']}: launch names the rank whose error came first",
+        f"the error does not name rank {guess['rank']}: launch names the rank whose error came "
+        "first, not the ranks that failed because of it",
     )
     require(
         guess["steps_logged"] == logged,
         ex,
-        f"rank 0 logged {logged} steps, you predicted {guess['steps_logged']}: every logged step "
-        "ends in an all-reduce (the global loss), so no rank can log a step that the other did not",
+        f"rank 0 did not log {guess['steps_logged']} steps: every logged step ends in an "
+        "all-reduce (the global loss), so no rank can log a step that the other did not",
     )
     err = Path(failed.log_path).read_text().strip().splitlines()[-1]
     passed(

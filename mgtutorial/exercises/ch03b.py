@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mgtutorial import ddp
+from mgtutorial.common.compare import float32_tolerance
 from mgtutorial.ddp import overlap
 from mgtutorial.exercises._common import (
     answered,
@@ -64,13 +65,15 @@ def bucket_layout(predicted: dict) -> None:
             f"layer first), not in model.parameters() order"
         )
         require(
-            len(guess) == len(sizes), ex, f"DDP made {len(sizes)} buckets, not {len(guess)}: {rule}"
+            len(guess) == len(sizes),
+            ex,
+            f"with bucket_cap_mb={cap} DDP did not make {len(guess)} buckets: {rule}",
         )
         for i, (g, s) in enumerate(zip(guess, sizes)):
             require(
                 g == s,
                 ex,
-                f"with bucket_cap_mb={cap}, bucket {i} holds {s:,} elements, not {g!r}: {rule}",
+                f"with bucket_cap_mb={cap}, bucket {i} does not hold {g!r} elements: {rule}",
             )
     passed(ex, "the bucket sizes from step 2 on match DDP's for bucket_cap_mb 0.001 and 0.005")
 
@@ -134,8 +137,8 @@ def fp16_hook(path: str = "ex03b_hook.py") -> None:
     asynchronous all-reduce of a float16 copy and returns a Future of the float32 buffer. Trains 4
     steps on 2 ranks; checks, per hook call, one async float16 all-reduce of the bucket's elements
     and a float32 result of the bucket's size, then the parameters against one process (within
-    1e-4: float16 rounds each averaged gradient to about 5e-4 of its size, so the parameters move
-    ~5e-4 of their displacement away from the reference)."""
+    10 × chapter 02's float32 tolerance: float16 rounds each averaged gradient to about 5e-4 of
+    its size, so the parameters move ~5e-4 of their displacement away from the reference)."""
     ex = "03b.2 float16 hook"
     function_from(path, "fp16_allreduce_hook", ex)
     cfg = LearnerConfig(path=str(Path(path).resolve()), max_steps=4, **TINY)
@@ -176,12 +179,14 @@ def fp16_hook(path: str = "ex03b_hook.py") -> None:
             "return buffer",
         )
     total = sum(p.numel() for p in load_params(result.run_dir, 2)[0].values())
-    compare_with_reference(ex, load_params(result.run_dir, 2), cfg, tol=1e-4)
+    gpus = env.resolve_backend(cfg.backend, 2) == "nccl"
+    tol = 10 * float32_tolerance("cuda" if gpus else "cpu")  # float16 rounds more than float32
+    compare_with_reference(ex, load_params(result.run_dir, 2), cfg, tol=tol)
     passed(
         ex,
         f"one asynchronous float16 all-reduce per bucket ({2 * total:,} bytes per step, not "
-        f"{4 * total:,}), a float32 result, and the parameters within 1e-4 of one process on the "
-        "combined batch",
+        f"{4 * total:,}), a float32 result, and the parameters within 10 × the float32 tolerance "
+        f"({tol:.0e}) of one process on the combined batch",
     )
 
 

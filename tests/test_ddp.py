@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import workers
@@ -150,9 +152,18 @@ def test_epoch_line_is_epoch_mean_and_throughput_counts_training_time(runs, no_l
         assert v["samples_per_s"] * v["train_time_s"] == pytest.approx(v["samples"])
 
 
-def test_the_reference_refuses_more_steps_than_epoch_0_has():
-    """256 synthetic samples on 2 ranks of 64 are 2 steps: the ranks would go on into epoch 1."""
+def test_the_reference_stops_where_the_ranks_stop():
+    """256 synthetic samples on 2 ranks of 64 are 2 steps per epoch: with 3 epochs the ranks go
+    on into epoch 1 (refused); with 1 they stop after 2 steps, and so does the reference."""
     cfg = ddp.DDPConfig(dataset="synthetic", batch_size=64, max_steps=4, evaluate=False)
     with pytest.raises(ValueError, match="epoch 0 has 2 steps of 64 per rank on 2 rank"):
         ddp.combined_batch_reference(cfg, 2)
-    assert ddp.combined_batch_reference(cfg, 1) is not None  # 4 steps of 64 on one rank fit
+    one_epoch = dataclasses.replace(cfg, epochs=1)
+    two_steps = dataclasses.replace(cfg, epochs=1, max_steps=2)
+    torch.testing.assert_close(
+        ddp.combined_batch_reference(one_epoch, 2).state_dict(),
+        ddp.combined_batch_reference(two_steps, 2).state_dict(),
+    )
+    # chapter 02's check run on 8 ranks: epoch 0 of the digits has 6 steps of 32, epochs=1
+    check = ddp.DDPConfig(dataset="digits", epochs=1, max_steps=10, evaluate=False, tf32=False)
+    assert ddp.combined_batch_reference(check, 8) is not None

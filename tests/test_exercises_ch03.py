@@ -161,7 +161,7 @@ def reduce_while_computing(t, compute):
     dist.all_reduce(t, async_op=True).wait()
     compute()
 """,
-        "its all-reduce had already finished",
+        "its all-reduce had already finished: on gloo a collective called without async_op",
     ),
     "overlap, no wait": (
         "ch03a.overlap",
@@ -235,6 +235,18 @@ def average_gradients(model, world_size):
         "ch03b.bucketed_by_hand",
         BUCKETS.format(**{**RIGHT, "divide": "pass"}),
         r"moved [12]\.\d× as far .* divide by the world size",
+    ),
+    "buckets, a blocking all-reduce in the hook": (
+        "ch03b.bucketed_by_hand",
+        BUCKETS.format(**RIGHT)
+        .replace(
+            "self.pending.append((dist.all_reduce(flat, async_op=True), flat, grads))",
+            "dist.all_reduce(flat)\n            self.pending.append((_Done(), flat, grads))",
+        )
+        .replace(
+            "class MyBucketedDDP", "class _Done:\n    def wait(self): pass\nclass MyBucketedDDP"
+        ),
+        r"2 all-reduce\(s\) blocked until done: without async_op=True",
     ),
     "buckets, the last bucket never launched": (
         "ch03b.bucketed_by_hand",

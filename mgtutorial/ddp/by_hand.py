@@ -57,9 +57,10 @@ class OverlappedDDP(nn.Module):
 
     def grad_ready(self, p: nn.Parameter) -> None:
         """Autograd calls this once ``p.grad`` holds this step's gradient: launch its all-reduce."""
+        launched = time.time()
         work = dist.all_reduce(p.grad, async_op=True)  # returns at once; backward() goes on
         self.pending.append((work, p.grad))
-        self.record(work, p.grad.numel())
+        self.record(work, p.grad.numel(), launched)
 
     def finish_gradient_sync(self) -> int:
         """Wait for every all-reduce launched in this step, divide by the world size; returns
@@ -71,9 +72,10 @@ class OverlappedDDP(nn.Module):
         self.pending.clear()
         return n
 
-    def record(self, work, elements: int) -> None:
-        """Log an all-reduce's launch, and its completion from a callback on its future."""
-        rec = {"elements": elements, "launched": time.time()}
+    def record(self, work, elements: int, launched: float) -> None:
+        """Log an all-reduce's launch (unix s, taken just before the call) and its completion,
+        from a callback on its future (which runs at once if it has already completed)."""
+        rec = {"elements": elements, "launched": launched}
         self.launched.append(rec)
         work.get_future().then(lambda fut: rec.update(done=time.time()))
 
@@ -117,9 +119,10 @@ class BucketedDDP(BucketsByHand):
         if self.ready[b] == len(self.buckets[b]):  # the bucket's last gradient: launch it
             grads = [q.grad for q in self.buckets[b]]
             flat = torch.cat([g.flatten() for g in grads])
+            launched = time.time()
             work = dist.all_reduce(flat, async_op=True)
             self.pending.append((work, flat, grads))
-            self.record(work, flat.numel())
+            self.record(work, flat.numel(), launched)
 
     def finish_gradient_sync(self) -> int:
         for work, flat, grads in self.pending:
@@ -156,7 +159,8 @@ class ByHandTrainer(ddp.Trainer):
     ``backward()`` and ``optimizer.step()``. Logs the ``kind="sync"`` record of
     :class:`~mgtutorial.ddp.overlap.AccumulationTrainer` per step (``allreduce_calls``,
     ``bucket_sizes``, ``bucket_launched``, ``bucket_done``, ``backward_start``,
-    ``backward_end``)."""
+    ``backward_end``) plus ``sync_end``, when ``finish_gradient_sync`` returned: what DDP's
+    ``backward()`` includes, its wait for the last all-reduces."""
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -166,6 +170,7 @@ class ByHandTrainer(ddp.Trainer):
         loss.backward()  # the hooks launch the all-reduces while backward() goes on
         t1 = time.time()
         calls = self.model.finish_gradient_sync()  # wait for them all, before the step
+        t2 = time.time()
         self.optimizer.step()
         b = self.model.launched
         self.log.write(
@@ -177,6 +182,7 @@ class ByHandTrainer(ddp.Trainer):
             bucket_done=[s.get("done") for s in b],
             backward_start=t0,
             backward_end=t1,
+            sync_end=t2,
         )
         return loss.item()
 

@@ -170,8 +170,9 @@ def hooks_worker(cfg: HooksConfig) -> dict:
 
 def timeline_figure(runs: dict[str, list[dict]]):
     """One panel per run: for each step's ``kind="sync"`` record, the ``backward()`` call as a grey
-    bar and each all-reduce as a line from its launch to its completion, in ms since
-    ``backward()`` was called. ``runs`` maps a title to its records (one rank's). Returns a
+    bar (for DDP by hand, up to the end of ``finish_gradient_sync``: ``sync_end``, the wait DDP's
+    ``backward()`` includes) and each all-reduce as a line from its launch to its completion, in
+    ms since ``backward()`` was called. ``runs`` maps a title to its records (one rank's). Returns a
     matplotlib ``Figure``."""
     from matplotlib.figure import Figure
 
@@ -180,7 +181,8 @@ def timeline_figure(runs: dict[str, list[dict]]):
     for ax, (title, records) in zip(axes, runs.items()):
         for rec in records:
             t0, y = rec["backward_start"], rec["step"]
-            ax.barh(y, (rec["backward_end"] - t0) * 1e3, height=0.7, color="lightgray")
+            end = rec.get("sync_end", rec["backward_end"])  # by hand: up to the wait's end
+            ax.barh(y, (end - t0) * 1e3, height=0.7, color="lightgray")
             n = len(rec["bucket_launched"])
             for b, (start, end) in enumerate(zip(rec["bucket_launched"], rec["bucket_done"])):
                 end = start if end is None else end
@@ -194,7 +196,8 @@ def timeline_figure(runs: dict[str, list[dict]]):
                     color=f"C{b % 10}",
                 )
         ax.set_title(
-            f"{title}: grey, backward(); lines, each all-reduce from launch to done",
+            f"{title}: grey, backward() (by hand, to the end of finish_gradient_sync); lines, "
+            "each all-reduce from launch to done",
             loc="left",
             fontsize=9,
         )

@@ -67,6 +67,11 @@ def rank_layout(predicted: dict) -> None:
             "as a string such as 'cuda:N'",
         )
         machine, local, device = guess
+        require(
+            isinstance(device, str),
+            ex,
+            f"predicted[{r}]'s device is {device!r}: give it as a string such as 'cuda:N'",
+        )
         local_truth = r % GPUS_PER_MACHINE
         require(
             machine == r // GPUS_PER_MACHINE,

@@ -160,8 +160,9 @@ def overlap(path: str = "ex03a_overlap.py") -> None:
     require(
         first["in_flight"],
         ex,
-        "when compute() started on rank 0 its all-reduce had already finished: call "
-        "dist.all_reduce(t, async_op=True), then compute(), then work.wait()",
+        "when compute() started on rank 0 its all-reduce had already finished: on gloo a "
+        "collective called without async_op returns only once the data has been exchanged, and "
+        "so does a Work you wait for at once (section 2's async_allreduce)",
     )
     starts = [collectives.start_tensor(r, 8, "cpu").tolist() for r in range(2)]
     total = [sum(v) for v in zip(*starts)]

@@ -50,7 +50,8 @@ def bucketed_worker(cfg: LearnerConfig) -> dict:
     """The learner's ``MyBucketedDDP`` (buckets of ``cfg.bucket_cap_mb``) trained with their
     ``train_step``; saves each rank's parameters. Returns ``{"steps": [...]}``, per step:
     ``buckets`` (elements per bucket), ``launched`` (elements of each all-reduce, in order),
-    ``in_backward`` (how many were launched before ``finish_gradient_sync``), ``unwaited``
+    ``in_backward`` (how many were launched before ``finish_gradient_sync``), ``blocking`` (how
+    many were called without ``async_op=True``), ``unwaited``
     (how many were not yet waited for when ``optimizer.step()`` ran, None if it never ran)."""
     module = import_file(cfg.path, "03b.3 bucketed DDP by hand")
     cls, train_step = module.MyBucketedDDP, module.train_step
@@ -64,7 +65,7 @@ def bucketed_worker(cfg: LearnerConfig) -> dict:
 
         def all_reduce(tensor, *args, **kwargs):
             out = original(tensor, *args, **kwargs)
-            sent.append((tensor.numel(), now["finishing"]))
+            sent.append((tensor.numel(), now["finishing"], out is not None))
             if out is not None:
                 out = _Watched(out)
                 works.append(out)
@@ -91,8 +92,9 @@ def bucketed_worker(cfg: LearnerConfig) -> dict:
             steps.append(
                 {
                     "buckets": [sum(p.numel() for p in b) for b in model.buckets],
-                    "launched": [n for n, _ in sent],
-                    "in_backward": sum(not late for _, late in sent),
+                    "launched": [n for n, _, _ in sent],
+                    "in_backward": sum(not late for _, late, _ in sent),
+                    "blocking": sum(not is_async for _, _, is_async in sent),
                     "unwaited": now["unwaited"],
                 }
             )
@@ -138,6 +140,13 @@ def bucketed_by_hand(path: str = "ex03b_buckets.py") -> None:
             f"in step {i}, {len(buckets) - step['in_backward']} all-reduce(s) started in "
             "finish_gradient_sync, after backward(): launch each from grad_ready, with "
             "async_op=True, so that it runs while backward() goes on",
+        )
+        require(
+            step["blocking"] == 0,
+            ex,
+            f"in step {i}, {step['blocking']} all-reduce(s) blocked until done: without "
+            "async_op=True the all-reduce runs to its end inside grad_ready, backward() waits for "
+            "it, and nothing overlaps",
         )
         require(
             step["unwaited"] is not None,

@@ -167,3 +167,21 @@ def test_the_reference_stops_where_the_ranks_stop():
     # chapter 02's check run on 8 ranks: epoch 0 of the digits has 6 steps of 32, epochs=1
     check = ddp.DDPConfig(dataset="digits", epochs=1, max_steps=10, evaluate=False, tf32=False)
     assert ddp.combined_batch_reference(check, 8) is not None
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 4, 8])
+def test_chapter_03b_timed_runs_stay_in_epoch_0(nprocs):
+    """03b's TIMED config, sized from the number of ranks, fits epoch 0 of the digits on a
+    machine with 2 to 8 GPUs (a rank per GPU)."""
+    from mgtutorial import load_dataset
+
+    images = len(load_dataset("digits")[0])
+    cfg = ddp.DDPConfig(
+        dataset="digits",
+        batch_size=min(32, images // (10 * nprocs)),
+        max_steps=10,
+        evaluate=False,
+        tf32=False,
+    )
+    loaders = [ddp.rank_loader(load_dataset("digits")[0], cfg, r, nprocs) for r in range(nprocs)]
+    assert min(len(loader) for loader in loaders) >= cfg.max_steps

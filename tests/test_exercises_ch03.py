@@ -129,10 +129,7 @@ def train_uneven(model, optimizer, loss_fn, batches):
 RIGHT_JOIN = dict(
     prelude="", record="total += torch.tensor([loss.item(), 1.0])", reduce="dist.all_reduce(total)"
 )
-WRONG = {
-    "ring, whole tensors in the all-gather": (
-        "ch03a.ring_all_reduce",
-        """import torch, torch.distributed as dist
+RING = """import torch, torch.distributed as dist
 def exchange(send, recv, rank, world_size):
     n = world_size
     for r in [dist.isend(send, (rank + 1) % n), dist.irecv(recv, (rank - 1) % n)]:
@@ -142,7 +139,17 @@ def ring_all_reduce(t, rank, world_size):
     for step in range(world_size - 1):
         exchange(chunks[(rank - step) % world_size], got, rank, world_size)
         chunks[(rank - step - 1) % world_size].add_(got)
-    mine = (rank + 1) % world_size
+"""
+WRONG = {
+    "ring, no all-gather": (
+        "ch03a.ring_all_reduce",
+        RING,
+        "holds the full sum in one chunk only: the reduce-scatter is done",
+    ),
+    "ring, whole tensors in the all-gather": (
+        "ch03a.ring_all_reduce",
+        RING
+        + """    mine = (rank + 1) % world_size
     full = torch.zeros_like(t)
     full.chunk(world_size)[mine].copy_(chunks[mine])
     send, recv = full.clone(), torch.empty_like(t)

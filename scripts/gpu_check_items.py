@@ -825,11 +825,11 @@ def exercise_06b1_nccl(w: Where) -> dict:
 
 @item(
     "sync_batchnorm",
-    chapter="03b_ddp_internals",
+    chapter="03c_ddp_pitfalls",
     min_gpus=2,
     timeout_s=120,
     what="SyncBatchNorm on N GPUs == BatchNorm2d on the combined batch (outputs, statistics, "
-    "gradients); chapter 03b's sync_batchnorm_worker, as its GPU cell runs it, on 2 GPUs",
+    "gradients); chapter 03c's sync_batchnorm_worker, as its GPU cell runs it, on 2 GPUs",
 )
 def sync_batchnorm(w: Where) -> dict:
     figures = _ranks("syncbn", w, w.nprocs)[0]

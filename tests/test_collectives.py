@@ -46,7 +46,7 @@ def test_collectives_tour_values(runs, no_leftovers):
     assert recs[("send/recv (ring: to rank+1)", 1)]["after"] == r0
     # rank 0 left the barrier only after the last rank, which slept first, had entered it
     assert recs[("barrier", 0)]["time"] >= recs[("barrier", 1)]["entered"]
-    assert collectives.tour_figure(list(recs.values())) is not None
+    assert collectives.movement_figure(list(recs.values())) is not None
 
 
 @pytest.mark.timeout(120)

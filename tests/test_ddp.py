@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import workers
@@ -148,3 +150,38 @@ def test_epoch_line_is_epoch_mean_and_throughput_counts_training_time(runs, no_l
     for v in res.values.values():
         assert v["samples"] == 2 * 128
         assert v["samples_per_s"] * v["train_time_s"] == pytest.approx(v["samples"])
+
+
+def test_the_reference_stops_where_the_ranks_stop():
+    """256 synthetic samples on 2 ranks of 64 are 2 steps per epoch: with 3 epochs the ranks go
+    on into epoch 1 (refused); with 1 they stop after 2 steps, and so does the reference."""
+    cfg = ddp.DDPConfig(dataset="synthetic", batch_size=64, max_steps=4, evaluate=False)
+    with pytest.raises(ValueError, match="epoch 0 has 2 steps of 64 per rank on 2 rank"):
+        ddp.combined_batch_reference(cfg, 2)
+    one_epoch = dataclasses.replace(cfg, epochs=1)
+    two_steps = dataclasses.replace(cfg, epochs=1, max_steps=2)
+    torch.testing.assert_close(
+        ddp.combined_batch_reference(one_epoch, 2).state_dict(),
+        ddp.combined_batch_reference(two_steps, 2).state_dict(),
+    )
+    # chapter 02's check run on 8 ranks: epoch 0 of the digits has 6 steps of 32, epochs=1
+    check = ddp.DDPConfig(dataset="digits", epochs=1, max_steps=10, evaluate=False, tf32=False)
+    assert ddp.combined_batch_reference(check, 8) is not None
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 4, 8])
+def test_chapter_03b_timed_runs_stay_in_epoch_0(nprocs):
+    """03b's TIMED config, sized from the number of ranks, fits epoch 0 of the digits on a
+    machine with 2 to 8 GPUs (a rank per GPU)."""
+    from mgtutorial import load_dataset
+
+    images = len(load_dataset("digits")[0])
+    cfg = ddp.DDPConfig(
+        dataset="digits",
+        batch_size=min(32, images // (10 * nprocs)),
+        max_steps=10,
+        evaluate=False,
+        tf32=False,
+    )
+    loaders = [ddp.rank_loader(load_dataset("digits")[0], cfg, r, nprocs) for r in range(nprocs)]
+    assert min(len(loader) for loader in loaders) >= cfg.max_steps

@@ -1,6 +1,6 @@
-"""Chapter 03b: DDP's default buckets and their timing, Join's gradient scale, SyncBatchNorm by hand
-and the SyncBatchNorm worker through its CPU seam (gloo, 2 ranks), each against an independent
-computation."""
+"""Chapters 03b and 03c: DDP's default buckets and their timing, Join's gradient scale,
+SyncBatchNorm by hand and the SyncBatchNorm worker through its CPU seam (gloo, 2 ranks), each
+against an independent computation."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The pieces of chapter 03's checkers that need no ranks: the patched collectives, the hint for
 a sum instead of a mean (mgtutorial/exercises/ddp_checks.py), and Join's one-process reference
-(mgtutorial/exercises/ch03b_join.py); then wrong answers run in ranks, each checker failing with its
+(mgtutorial/exercises/ch03c.py); then wrong answers run in ranks, each checker failing with its
 own hint. Both ways on the notebooks' solutions and starters: tests/test_exercises.py."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 
 from mgtutorial import ddp, exercises
 from mgtutorial.exercises import ExerciseError
-from mgtutorial.exercises.ch03b_join import JoinConfig, join_model, join_reference, uneven_batches
+from mgtutorial.exercises.ch03c import JoinConfig, join_model, join_reference, uneven_batches
 from mgtutorial.exercises.ddp_checks import compare_with_reference, patched
 from mgtutorial.runtime import env
 
@@ -81,10 +81,55 @@ HOOK = """import torch, torch.distributed as dist
 def fp16_allreduce_hook(state, bucket):
     buffer = bucket.buffer()
 """
-WRONG = {
-    "ring, whole tensors in the all-gather": (
-        "ch03a.ring_all_reduce",
-        """import torch, torch.distributed as dist
+BUCKETS = """import torch, torch.distributed as dist
+from mgtutorial.ddp.by_hand import BucketsByHand
+class MyBucketedDDP(BucketsByHand):
+    def grad_ready(self, p):
+        b = self.bucket_of[p]
+        self.ready[b] += 1
+        if self.ready[b] == len(self.buckets[b]){never}:
+            grads = [q.grad for q in self.buckets[b]]
+            flat = torch.cat([g.flatten() for g in grads])
+            self.pending.append((dist.all_reduce(flat, async_op=True), flat, grads))
+    def finish_gradient_sync(self):
+        for work, flat, grads in self.pending:
+            work.wait()
+            {divide}
+            for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(piece.view_as(g))
+        self.pending.clear()
+        self.ready = [0] * len(self.buckets)
+def train_step(model, loss_fn, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    {order}
+    return loss.item()
+"""
+RIGHT = dict(
+    never="",
+    divide="flat /= self.world_size",
+    order="model.finish_gradient_sync()\n    optimizer.step()",
+)
+JOIN = """import os, time, torch, torch.distributed as dist
+from torch.distributed.algorithms.join import Join
+{prelude}
+def train_uneven(model, optimizer, loss_fn, batches):
+    total = torch.zeros(2)
+    with Join([model]):
+        for x, y in batches:
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            {record}
+    {reduce}
+    return (total[0] / total[1]).item()
+"""
+RIGHT_JOIN = dict(
+    prelude="", record="total += torch.tensor([loss.item(), 1.0])", reduce="dist.all_reduce(total)"
+)
+RING = """import torch, torch.distributed as dist
 def exchange(send, recv, rank, world_size):
     n = world_size
     for r in [dist.isend(send, (rank + 1) % n), dist.irecv(recv, (rank - 1) % n)]:
@@ -94,7 +139,17 @@ def ring_all_reduce(t, rank, world_size):
     for step in range(world_size - 1):
         exchange(chunks[(rank - step) % world_size], got, rank, world_size)
         chunks[(rank - step - 1) % world_size].add_(got)
-    mine = (rank + 1) % world_size
+"""
+WRONG = {
+    "ring, no all-gather": (
+        "ch03a.ring_all_reduce",
+        RING,
+        "holds the full sum in one chunk only: the reduce-scatter is done",
+    ),
+    "ring, whole tensors in the all-gather": (
+        "ch03a.ring_all_reduce",
+        RING
+        + """    mine = (rank + 1) % world_size
     full = torch.zeros_like(t)
     full.chunk(world_size)[mine].copy_(chunks[mine])
     send, recv = full.clone(), torch.empty_like(t)
@@ -113,7 +168,7 @@ def reduce_while_computing(t, compute):
     dist.all_reduce(t, async_op=True).wait()
     compute()
 """,
-        "its all-reduce had already finished",
+        "its all-reduce had already finished: on gloo a collective called without async_op",
     ),
     "overlap, no wait": (
         "ch03a.overlap",
@@ -178,22 +233,35 @@ def average_gradients(model, world_size):
 """,
         r"moved [12]\.\d× as far .* divide by the world size",
     ),
-    "no_sync, the first micro-batch synchronised": (
-        "ch03b.no_sync_accumulation",
-        """import contextlib
-def accumulate(model, loss_fn, micro_batches):
-    k, total = len(micro_batches), 0.0
-    for i, (x, y) in enumerate(micro_batches):
-        with contextlib.nullcontext() if i == 0 else model.no_sync():
-            loss = loss_fn(model(x), y) / k
-            loss.backward()
-        total += loss.item()
-    return total
-""",
-        "must be the last micro-batch's",
+    "buckets, wait after step": (
+        "ch03b.bucketed_by_hand",
+        BUCKETS.format(**{**RIGHT, "order": "optimizer.step()\n    model.finish_gradient_sync()"}),
+        r"optimizer.step\(\) ran while 2 all-reduce\(s\) were still in flight",
+    ),
+    "buckets, no division": (
+        "ch03b.bucketed_by_hand",
+        BUCKETS.format(**{**RIGHT, "divide": "pass"}),
+        r"moved [12]\.\d× as far .* divide by the world size",
+    ),
+    "buckets, a blocking all-reduce in the hook": (
+        "ch03b.bucketed_by_hand",
+        BUCKETS.format(**RIGHT)
+        .replace(
+            "self.pending.append((dist.all_reduce(flat, async_op=True), flat, grads))",
+            "dist.all_reduce(flat)\n            self.pending.append((_Done(), flat, grads))",
+        )
+        .replace(
+            "class MyBucketedDDP", "class _Done:\n    def wait(self): pass\nclass MyBucketedDDP"
+        ),
+        r"2 all-reduce\(s\) blocked until done: without async_op=True",
+    ),
+    "buckets, the last bucket never launched": (
+        "ch03b.bucketed_by_hand",
+        BUCKETS.format(**{**RIGHT, "never": " and b == 0"}),
+        r"the all-reduce of bucket\(s\) \[1\] was never launched",
     ),
     "join, rank 0 stalls in its second step": (
-        "ch03b.join_uneven",
+        "ch03c.join_uneven",
         """import os, time
 from torch.distributed.algorithms.join import Join
 def train_uneven(model, optimizer, loss_fn, batches):
@@ -206,6 +274,22 @@ def train_uneven(model, optimizer, loss_fn, batches):
             optimizer.step()
 """,
         "timed out in step 2 of 6, where every rank still trains: the machine was too busy",
+    ),
+    "join, the loss all-reduced in every step": (
+        "ch03c.join_uneven",
+        JOIN.format(
+            **{
+                **RIGHT_JOIN,
+                "record": "t = loss.detach().clone(); dist.all_reduce(t); "
+                "total += torch.tensor([t.item(), 1.0])",
+            }
+        ),
+        "rank 0 had trained its 4 batches and waited inside Join .* which Join does not shadow",
+    ),
+    "join, each rank's own mean": (
+        "ch03c.join_uneven",
+        JOIN.format(**{**RIGHT_JOIN, "reduce": "pass"}),
+        "the ranks returned different mean losses",
     ),
 }
 
@@ -228,7 +312,7 @@ def test_checkers_name_what_is_wrong(name, tmp_path, monkeypatch):
     [
         (
             {0.001: [650, 401472, 2432], 0.005: [402122, 2400, 32]},
-            "DDP made 4 buckets, not 3: .* not in model.parameters",
+            "DDP did not make 3 buckets: .* not in model.parameters",
         ),
         (
             {0.001: [650, 401472, 2400, 32], 0.005: ["402122", 2400, 32]},
@@ -248,16 +332,7 @@ def test_join_passes_when_a_rank_starts_late(tmp_path, monkeypatch, capsys):
     """Rank 1 imports the module 4 s late (longer than DDP's 3 s timeout): no error, since only
     DDP's own group has the short timeout."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "answer.py").write_text("""import os, time
-from torch.distributed.algorithms.join import Join
-if os.environ.get("RANK") == "1":
-    time.sleep(4)
-def train_uneven(model, optimizer, loss_fn, batches):
-    with Join([model]):
-        for x, y in batches:
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(x), y).backward()
-            optimizer.step()
-""")
-    exercises.ch03b.join_uneven("answer.py")
-    assert capsys.readouterr().out.startswith("✓ 03b.4 join: ")
+    late = 'if os.environ.get("RANK") == "1":\n    time.sleep(4)'
+    (tmp_path / "answer.py").write_text(JOIN.format(**{**RIGHT_JOIN, "prelude": late}))
+    exercises.ch03c.join_uneven("answer.py")
+    assert capsys.readouterr().out.startswith("✓ 03c.1 join: ")

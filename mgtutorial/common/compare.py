@@ -34,6 +34,18 @@ COLLECTIVE_NAMES = {
 """An op's own name (c10d's or the functional collectives') -> the collective it performs."""
 
 
+FLOAT32_TOLERANCE = {"cpu": 1e-5, "cuda": 1e-4}
+"""Largest |parallel − one process| accepted after a few float32 steps, by the ranks' device type:
+on CPU only the order of the additions differs from the reference; on GPUs (TF32 off) the kernels
+round differently from the CPU reference too."""
+
+
+def float32_tolerance(device_type: str) -> float:
+    """:data:`FLOAT32_TOLERANCE` for ranks on ``device_type`` ("cpu" or "cuda"; KeyError
+    otherwise). Taught in notebooks/02_ddp.ipynb (section 4)."""
+    return FLOAT32_TOLERANCE[device_type]
+
+
 def _full(t) -> torch.Tensor:
     """A plain CPU float tensor: a DTensor gathered in full first."""
     if hasattr(t, "full_tensor"):

@@ -1,6 +1,6 @@
 """SyncBatchNorm: batch statistics over the samples of every rank, by hand and the library's.
 
-Taught in notebooks/03b_ddp_internals.ipynb (section 6). Follows
+Taught in notebooks/03c_ddp_pitfalls.ipynb (section 2). Follows
 https://pytorch.org/docs/stable/generated/torch.nn.SyncBatchNorm.html.
 
 torch's ``nn.SyncBatchNorm`` has CUDA kernels only. Its worker, :func:`sync_batchnorm_worker`,

@@ -130,34 +130,78 @@ def async_allreduce(cfg: TourConfig) -> dict:
         }
 
 
-def tour_figure(records: list[dict]):
-    """One row per collective, one column per rank, before → after, drawn from the logged
-    tensors (the records of :func:`collectives_tour`). Returns a matplotlib ``Figure``."""
+def _sources(op: str, rank: int, i: int, n: int, size: int) -> list[int]:
+    """The ranks whose data element ``i`` of ``rank``'s result comes from, after ``op``."""
+    if op.startswith(("all_reduce", "reduce_scatter")):
+        return list(range(n))
+    if op.startswith("broadcast"):
+        return [0]
+    if op == "all_gather":
+        return [i // size]
+    return [(rank - 1) % n]  # send/recv around the ring
+
+
+def _senders(op: str, rank: int, n: int) -> list[int]:
+    """The ranks that send data to ``rank`` in ``op``."""
+    if op.startswith("broadcast"):
+        return [0]
+    if op.startswith("send/recv"):
+        return [(rank - 1) % n]
+    return list(range(n))
+
+
+def movement_figure(records: list[dict]):
+    """Who sends what to whom: one panel per collective of :func:`collectives_tour`'s records
+    (the barrier left out), each rank's tensor before (left) and after (right) as a row of cells
+    coloured by the rank the data came from (striped where ranks' values were summed), with an
+    arrow from every rank that sends to every rank that receives. Returns a matplotlib
+    ``Figure``."""
     from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
 
-    ops = list(dict.fromkeys(r["op"] for r in records if r.get("kind") == "collective"))
-    ranks = sorted({r["rank"] for r in records if r.get("kind") == "collective"})
-    fig = Figure(figsize=(2.2 + 3.2 * len(ranks), 0.75 * len(ops) + 0.8), layout="constrained")
-    axes = fig.subplots(len(ops), len(ranks), squeeze=False)
-    by_key = {(r["op"], r["rank"]): r for r in records if r.get("kind") == "collective"}
-    for i, op in enumerate(ops):
-        for j, rank in enumerate(ranks):
-            rec, ax = by_key[(op, rank)], axes[i][j]
-            ax.axis("off")
-            text = f"{_fmt(rec['before'])}  →  {_fmt(rec['after'])}"
-            if "waited_s" in rec:
-                text = f"waited {rec['waited_s']:.2f} s"
-            ax.text(0.0, 0.5, text, family="monospace", fontsize=9, va="center")
-            if j == 0:
-                ax.set_title(op, loc="left", fontsize=9, fontweight="bold")
-            if i == 0:
-                title = f"rank {rank}"
-                ax.text(0.0, 1.35, title, transform=ax.transAxes, fontsize=10, color="tab:blue")
+    recs = [r for r in records if r.get("kind") == "collective" and r["op"] != "barrier"]
+    ops = list(dict.fromkeys(r["op"] for r in recs))
+    by_key = {(r["op"], r["rank"]): r for r in recs}
+    n = len({r["rank"] for r in recs})
+    size = len(recs[0]["before"])
+    fig = Figure(figsize=(10, 1.15 * n * len(ops) / 2 + 0.6), layout="constrained")
+    axes = fig.subplots(len(ops) // 2 + len(ops) % 2, 2, squeeze=False).flatten()
+    gap = 2.5  # between the tensors before and after, in cells
+
+    def row(ax, x0, y, values, sources):
+        for i, (v, src) in enumerate(zip(values, sources)):
+            for k, s in enumerate(src):  # one stripe per contributing rank
+                w = 1 / len(src)
+                ax.add_patch(
+                    Rectangle((x0 + i + k * w, y - 0.35), w, 0.7, color=f"C{s}", alpha=0.5)
+                )
+            ax.add_patch(Rectangle((x0 + i, y - 0.35), 1, 0.7, fill=False, lw=0.6))
+            ax.text(x0 + i + 0.5, y, f"{v:g}", ha="center", va="center", fontsize=7)
+
+    for ax, op in zip(axes, ops):
+        width = max(len(by_key[op, r]["after"]) for r in range(n))
+        right = size + gap
+        for r in range(n):
+            y = n - 1 - r
+            rec = by_key[op, r]
+            row(ax, 0, y, rec["before"], [[r]] * size)
+            after = rec["after"]
+            row(ax, right, y, after, [_sources(op, r, i, n, size) for i in range(len(after))])
+            ax.text(-0.3, y, f"rank {r}", ha="right", va="center", fontsize=8)
+            for s in _senders(op, r, n):
+                ax.annotate(
+                    "",
+                    xy=(right - 0.1, y),
+                    xytext=(size + 0.1, n - 1 - s),
+                    arrowprops={"arrowstyle": "->", "color": f"C{s}", "lw": 1},
+                )
+        ax.set_xlim(-1.6, right + width + 0.2)
+        ax.set_ylim(-0.6, n - 0.4)
+        ax.set_title(f"{op}: before → after", fontsize=9, loc="left")
+        ax.axis("off")
+    for ax in axes[len(ops) :]:
+        ax.axis("off")
     return fig
-
-
-def _fmt(values: list[float]) -> str:
-    return "[" + " ".join(f"{v:g}" for v in values) + "]"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,5 +273,5 @@ __all__ = [
     "async_allreduce",
     "collectives_tour",
     "scratch_worker",
-    "tour_figure",
+    "movement_figure",
 ]

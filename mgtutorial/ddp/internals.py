@@ -1,7 +1,7 @@
 """DDP's pitfalls: parameters the loss never uses (``find_unused_parameters``) and uneven inputs
 (a collective timeout, then ``Join``).
 
-Taught in notebooks/03b_ddp_internals.ipynb (sections 4 and 7). Follows
+Taught in notebooks/03c_ddp_pitfalls.ipynb (sections 1 and 3). Follows
 https://pytorch.org/docs/stable/notes/ddp.html and
 https://pytorch.org/tutorials/advanced/generic_join.html (``Join``). Buckets, hooks and
 accumulation are in :mod:`mgtutorial.ddp.overlap`, SyncBatchNorm in :mod:`mgtutorial.ddp.batchnorm`.
@@ -22,6 +22,7 @@ from torch.distributed.algorithms.join import Join
 
 from mgtutorial import ddp
 from mgtutorial.common import models
+from mgtutorial.common.compare import counting_mode
 from mgtutorial.runtime import env
 
 
@@ -55,8 +56,9 @@ class PitfallConfig(ddp.DDPConfig):
 class PitfallTrainer(ddp.Trainer):
     """:class:`~mgtutorial.ddp.Trainer` for :class:`PitfallConfig`: the last rank trains
     ``extra_batches_last_rank`` more steps; the epoch runs inside ``Join([model])`` if
-    ``use_join``. Logs only local losses (``kind="train_local"``): the all-reduced loss of every
-    step is itself a collective that ``Join`` does not cover. Logs ``kind="loop_done"`` after the
+    ``use_join``. Logs only local losses (``kind="train_local"``, with ``collectives``: the
+    step's ``{name: calls}`` counted by ``CommDebugMode``): the all-reduced loss of every step is
+    itself a collective that ``Join`` does not cover. Logs ``kind="loop_done"`` after the
     loop. With ``use_join`` it also logs ``kind="grad_scale"`` per step: ``ratio`` = ‖DDP's
     gradient‖ / ‖this rank's own gradient‖ (computed with ``torch.autograd.grad``, which DDP does
     not reduce).
@@ -68,8 +70,15 @@ class PitfallTrainer(ddp.Trainer):
             self.max_steps = (self.max_steps or 4) + self.cfg.extra_batches_last_rank
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        if not self.cfg.use_join:
-            return super()._run_batch(x, y)
+        with counting_mode() as mode:  # every collective of the forward and backward passes
+            if not self.cfg.use_join:
+                loss = super()._run_batch(x, y)
+            else:
+                loss = self._run_joined_batch(x, y)
+        self.collectives = mode.counts()
+        return loss
+
+    def _run_joined_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(x), y)
         params = list(self.model.parameters())
@@ -85,7 +94,9 @@ class PitfallTrainer(ddp.Trainer):
         return loss.item()
 
     def _log_step(self, epoch: int, loss: float) -> float:
-        return self.log.write(kind="train_local", step=self.step, epoch=epoch, loss=loss)["loss"]
+        return self.log.write(
+            kind="train_local", step=self.step, epoch=epoch, loss=loss, collectives=self.collectives
+        )["loss"]
 
     def _run_epoch(self, epoch: int) -> float:
         join = Join(

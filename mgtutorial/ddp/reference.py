@@ -21,14 +21,22 @@ def combined_batch_reference(cfg: DDPConfig, world_size: int) -> nn.Module:
     """One plain process trained, step by step, on the union of what ``world_size`` DDP ranks see
     (their DistributedSamplers' indices): one batch of ``batch_size × world_size``. With equal
     per-rank batches its mean loss has the average of the ranks' gradients, what DDP's all-reduce
-    computes. Runs ``cfg.max_steps`` steps (required, else ValueError) of epoch 0; returns the
-    model (CPU)."""
+    computes. Runs the steps the ranks take, ``cfg.max_steps`` (required, else ValueError) or
+    fewer when ``cfg.epochs`` ends first, all in epoch 0 (ValueError when the ranks would go on
+    into epoch 1); returns the model (CPU)."""
     if cfg.max_steps is None:
         raise ValueError("combined_batch_reference needs cfg.max_steps.")
     ctx = env.DistContext.single_process()
     model, train_set, _, optimizer = build(cfg, ctx)
     loaders = [rank_loader(train_set, cfg, r, world_size) for r in range(world_size)]
     loss_fn = nn.CrossEntropyLoss()
+    per_epoch = min(len(loader) for loader in loaders)
+    if min(cfg.max_steps, cfg.epochs * per_epoch) > per_epoch:
+        raise ValueError(
+            f"combined_batch_reference: epoch 0 has {per_epoch} steps of {cfg.batch_size} per "
+            f"rank on {world_size} rank(s), and the ranks go on into epoch 1 before "
+            f"max_steps={cfg.max_steps}; lower batch_size or max_steps"
+        )
     for step, batches in enumerate(zip(*loaders)):
         if step >= cfg.max_steps:
             break

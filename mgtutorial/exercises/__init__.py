@@ -25,6 +25,7 @@ CHAPTERS = (
     "ch02",
     "ch03a",
     "ch03b",
+    "ch03c",
     "ch04",
     "ch05a",
     "ch05b",

@@ -1,6 +1,6 @@
-"""Checkers of chapter 00's exercises (notebooks/00_setup.ipynb): the sum of ranks, the default
-number of ranks, a worker of your own in a file (an all-reduced MAX), and which rank a failure
-names."""
+"""Checkers of chapter 00's exercises (notebooks/00_setup.ipynb): the sum of ranks, rank, local
+rank and device on several machines, a worker of your own in a file (an all-reduced MAX), and
+which rank a failure names."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import dataclasses
 import os
 import uuid
 from pathlib import Path
-from unittest import mock
 
 from mgtutorial.exercises._common import (
     ExerciseError,
@@ -41,27 +40,61 @@ def rank_sums(predicted: dict) -> None:
         require(
             got == {guess},
             ex,
-            f"with {n} ranks every rank received {got.pop()}, not {guess}: "
-            f"each rank contributes its own rank, 0 … {n - 1}",
+            f"with {n} ranks every rank received something other than {guess}: each rank "
+            f"contributes its own rank, 0 … {n - 1}, and the all-reduce adds them (not the world "
+            f"size, not a count)",
         )
     passed(ex, "3 ranks receive 3 and 4 ranks receive 6, on every rank")
 
 
-def default_nprocs(predicted: dict) -> None:
-    """00.2: ``predicted[g]`` is ``env.default_nprocs()`` on a machine with ``g`` GPUs (g = 0, 1,
-    2, 8)."""
-    ex = "00.2 default ranks"
-    for gpus in (0, 1, 2, 8):
-        guess = answered(predicted.get(gpus), ex, f"predicted[{gpus}]")
-        with mock.patch.object(env, "gpu_count", return_value=gpus):
-            truth = env.default_nprocs()
+MACHINES, GPUS_PER_MACHINE = 3, 2  # 00.2: the job's layout
+ASKED = (3, 4)  # 00.2: the global ranks asked about
+
+
+def rank_layout(predicted: dict) -> None:
+    """00.2: ``predicted[r]`` is ``(machine, local_rank, device)`` of global rank ``r`` (3 and 4)
+    in a job of 3 machines with 2 GPUs each, one rank per GPU, ranks numbered machine by machine
+    as ``torchrun`` does for a job whose machines run the same number of ranks (``GROUP_RANK`` ×
+    ranks per machine + ``LOCAL_RANK``). The device is what
+    :func:`mgtutorial.runtime.env.device_for` gives the rank under NCCL."""
+    ex = "00.2 rank layout"
+    for r in ASKED:
+        guess = answered(predicted.get(r), ex, f"predicted[{r}]")
         require(
-            guess == truth,
+            isinstance(guess, (tuple, list)) and len(guess) == 3,
             ex,
-            f"with {gpus} GPU(s) the course starts {truth} ranks, not {guess}: "
-            f"read env.default_nprocs (one rank per GPU needs at least 2 GPUs)",
+            f"predicted[{r}] is {guess!r}: give (machine, local rank, device), the device "
+            "as a string such as 'cuda:N'",
         )
-    passed(ex, "0, 1, 2, 8 GPUs give 2, 2, 2, 8 ranks")
+        machine, local, device = guess
+        require(
+            isinstance(device, str),
+            ex,
+            f"predicted[{r}]'s device is {device!r}: give it as a string such as 'cuda:N'",
+        )
+        local_truth = r % GPUS_PER_MACHINE
+        require(
+            machine == r // GPUS_PER_MACHINE,
+            ex,
+            f"rank {r}'s machine: ranks are numbered machine by machine, "
+            f"{GPUS_PER_MACHINE} per machine, and machines count from 0",
+        )
+        require(
+            local == local_truth,
+            ex,
+            f"rank {r}'s local rank: it counts the ranks on its own machine, from 0",
+        )
+        require(
+            str(device) == str(env.device_for("nccl", local_truth)),
+            ex,
+            f"rank {r}'s device: each machine has GPUs 0 … {GPUS_PER_MACHINE - 1}, and a rank "
+            "picks the one numbered by its local rank (cuda:<global rank> would not exist there)",
+        )
+    passed(
+        ex,
+        f"on {MACHINES} machines of {GPUS_PER_MACHINE} GPUs, ranks {ASKED[0]} and {ASKED[1]} sit "
+        "on machines 1 and 2 as local ranks 1 and 0, each on the GPU of its local rank",
+    )
 
 
 VALUES = (5, 9, 2)  # 00.3: rank r contributes VALUES[r]

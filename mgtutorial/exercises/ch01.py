@@ -1,5 +1,6 @@
 """Checkers of chapter 01's exercises (notebooks/01_single_device.ipynb): the digits' label counts,
-the batch sizes the article's flatten accepts, one training step by hand, and the learning rate."""
+the batch sizes the article's flatten accepts, one training step by hand, and the loss of an
+untrained network."""
 
 from __future__ import annotations
 
@@ -19,9 +20,7 @@ from mgtutorial.exercises._common import (
     attempt,
     passed,
     require,
-    run_ranks,
 )
-from mgtutorial.runtime.runlog import read_run
 
 ARTICLE_FEATURES = 4608  # the article's hard-coded x.view(-1, 4608)
 
@@ -189,46 +188,34 @@ def training_step(train_step: Callable, steps: int = 3) -> None:
     passed(ex, f"{steps} steps of train_step give the Trainer's weights and losses")
 
 
-def learning_rates(order: list, lrs=(0.001, 0.01, 0.05), max_steps: int = 45) -> None:
-    """01.4: ``order`` lists the learning rates ``lrs`` from the lowest mean training loss over the
-    first ``max_steps`` steps to the highest.
-
-    Trains one rank of ``ddp.worker`` per learning rate on the digits (chapter 01's cfg otherwise:
-    batch 16, SGD with momentum 0.9, the same seed) and reads each run's logged losses.
-    """
-    ex = "01.4 learning rate"
-    guess = [answered(v, ex, f"order[{i}]") for i, v in enumerate(order)]
-    require(
-        sorted(guess) == sorted(lrs),
-        ex,
-        f"order is {guess}: list each of {', '.join(map(str, lrs))} once",
-    )
-    mean_loss = {}
-    for lr in lrs:
-        cfg = ddp.DDPConfig(
-            dataset="digits", epochs=1, batch_size=16, lr=lr, max_steps=max_steps, evaluate=False
-        )
-        run_dir = run_ranks(ex, ddp.worker, cfg, 1, name=f"ex01_lr{lr:g}").run_dir
-        losses = [rec["global_loss"] for rec in read_run(run_dir) if rec["kind"] == "train"]
+def untrained_loss(predict, classes=(2, 10, 100), samples: int = 256) -> None:
+    """01.4: ``predict(num_classes)`` is the mean cross-entropy loss of an untrained network with
+    ``num_classes`` outputs, before any step. Builds chapter 01's CNN (seed 0) with each number of
+    classes and measures its loss on ``samples`` digits images with random labels; accepts 3 %."""
+    ex = "01.4 the untrained loss"
+    train_set, _ = data.load_dataset("digits")
+    x = torch.stack([train_set[i][0] for i in range(samples)])
+    for c in classes:
+        guess = attempt(ex, predict, c)
         require(
-            len(losses) == max_steps,
+            isinstance(guess, (int, float)) and math.isfinite(guess),
             ex,
-            f"the run at lr={lr} logged {len(losses)} steps, not {max_steps}",
+            f"predict({c}) returned {guess!r}: return the loss as a number",
         )
-        mean_loss[lr] = sum(losses) / len(losses)
-    truth = sorted(lrs, key=mean_loss.get)
-    chance = math.log(10)  # cross-entropy of a uniform guess over 10 labels
-    for i, (g, t) in enumerate(zip(guess, truth)):
-        place = "lowest" if i == 0 else "highest" if i == len(lrs) - 1 else "middle"
+        torch.manual_seed(0)
+        model = models.ArticleCNN(tuple(x.shape[1:]), num_classes=c)
+        y = torch.randint(0, c, (samples,), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            measured = nn.functional.cross_entropy(model(x), y).item()
         require(
-            g == t,
+            abs(guess - measured) <= 0.03 * measured,
             ex,
-            f"order[{i}] is {g}, but lr={t} gave the {place} mean loss. Too "
-            "small a step moves slowly; too large a step overshoots, and a loss above "
-            f"ln 10 ≈ {chance:.2f} is worse than a uniform guess over the 10 labels",
+            f"with {c} classes your loss is not what the untrained network scores: its outputs are "
+            "small and nearly equal, so it gives every class about the same probability; what is "
+            "the cross-entropy (natural logarithm) of that probability?",
         )
     passed(
         ex,
-        f"over {max_steps} steps lr={truth[0]} trained best, then lr={truth[1]}, then "
-        f"lr={truth[2]}",
+        f"an untrained network scores about ln(classes) for {', '.join(map(str, classes))} "
+        "classes: the loss of a uniform guess",
     )

@@ -62,7 +62,7 @@ def four_ranks(predicted: dict) -> None:
         require(
             len(guess) == len(held),
             ex,
-            f"after {key} rank 2 holds {len(held)} numbers, not {len(guess)}: {hint}",
+            f"after {key} rank 2 does not hold {len(guess)} numbers: {hint}",
         )
         require(guess == held, ex, f"after {key} rank 2 does not hold {guesses[key]}: {hint}")
     passed(

@@ -72,10 +72,20 @@ def ring_all_reduce(path: str = "ex03a_ring.py", nprocs: int = 4) -> None:
     cfg = FileConfig(path=str(Path(path).resolve()))
     values = run_ranks(ex, ring_worker, cfg, nprocs, name="ring").values
     for rank, v in sorted(values.items()):
+        size = cfg.size // nprocs
+        chunks = [slice(i * size, (i + 1) * size) for i in range(nprocs)]
+        complete = [c for c in chunks if v["result"][c] == v["expected"][c]]
+        require(
+            not (v["result"] != v["expected"] and len(complete) == 1),
+            ex,
+            f"rank {rank} holds the full sum in one chunk only: the reduce-scatter is done; now "
+            "pass the complete chunks on around the ring (the all-gather), copying, not adding",
+        )
         require(
             v["result"] == v["expected"],
             ex,
-            f"rank {rank} holds {v['result']}, not the sum {v['expected']}",
+            f"rank {rank} does not hold the sum of the ranks' tensors: in the reduce-scatter, "
+            "add what you receive into the chunk the step names; in the all-gather, copy it",
         )
     ideal = 2 * (nprocs - 1) * cfg.size // nprocs
     for rank, v in sorted(values.items()):
@@ -160,8 +170,9 @@ def overlap(path: str = "ex03a_overlap.py") -> None:
     require(
         first["in_flight"],
         ex,
-        "when compute() started on rank 0 its all-reduce had already finished: call "
-        "dist.all_reduce(t, async_op=True), then compute(), then work.wait()",
+        "when compute() started on rank 0 its all-reduce had already finished: on gloo a "
+        "collective called without async_op returns only once the data has been exchanged, and "
+        "so does a Work you wait for at once (section 2's async_allreduce)",
     )
     starts = [collectives.start_tensor(r, 8, "cpu").tolist() for r in range(2)]
     total = [sum(v) for v in zip(*starts)]

@@ -3,8 +3,9 @@ while the learner's code runs in a rank (:func:`patched`), each rank's parameter
 directory, and the comparison with one process on the combined batch, whose hint tells a sum from a
 mean (:func:`compare_with_reference`).
 
-Used by :mod:`mgtutorial.exercises.ch03a` and :mod:`mgtutorial.exercises.ch03b`
-(notebooks/03a_collectives.ipynb, notebooks/03b_ddp_internals.ipynb).
+Used by :mod:`mgtutorial.exercises.ch03a`, :mod:`mgtutorial.exercises.ch03b` and
+:mod:`mgtutorial.exercises.ch03b_buckets` (notebooks/03a_collectives.ipynb,
+notebooks/03b_ddp_internals.ipynb).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mgtutorial import ddp
-from mgtutorial.common.compare import max_abs_diff
+from mgtutorial.common.compare import float32_tolerance, max_abs_diff
 from mgtutorial.exercises._common import ExerciseError, require
 from mgtutorial.runtime import env, runlog
 
@@ -82,11 +83,12 @@ def compare_with_reference(
     ex: str,
     ranks: list[dict],
     cfg: ddp.DDPConfig,
-    tol: float = 1e-5,
+    tol: float | None = None,
     what: str = "the mean of the ranks' gradients",
     unsynced: str = "",
 ) -> float:
-    """Require every rank's parameters equal (< 1e-6) and rank 0's equal (< ``tol``) to
+    """Require every rank's parameters equal (< 1e-6) and rank 0's equal (< ``tol``; default
+    chapter 02's float32 tolerance for the device the ranks ran on) to
     ``ddp.combined_batch_reference(cfg)``; the hint says how far they moved against the reference
     (2× on 2 ranks: a sum, not a mean). ``unsynced`` ends the hint when the ranks differ (default:
     all-reduce the gradients). Returns the largest difference to the reference."""
@@ -102,6 +104,9 @@ def compare_with_reference(
     init = ddp.build(cfg, env.DistContext.single_process())[0].state_dict()
     reference = ddp.combined_batch_reference(cfg, len(ranks)).state_dict()
     d = max_abs_diff(ranks[0], reference)
+    if tol is None:
+        gpus = env.resolve_backend(cfg.backend, len(ranks)) == "nccl"
+        tol = float32_tolerance("cuda" if gpus else "cpu")
     if d < tol:
         return d
     moved = _displacement(ranks[0], init) / _displacement(reference, init)

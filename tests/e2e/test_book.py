@@ -36,7 +36,22 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 SCREENSHOTS = Path(os.environ.get("MGTUTORIAL_E2E_ARTIFACTS", ROOT / "test-artifacts" / "e2e"))
-COURSE_ORDER = ("00", "01", "02", "03a", "03b", "04", "05a", "05b", "06a", "06b", "07", "08", "09")
+COURSE_ORDER = (
+    "00",
+    "01",
+    "02",
+    "03a",
+    "03b",
+    "03c",
+    "04",
+    "05a",
+    "05b",
+    "06a",
+    "06b",
+    "07",
+    "08",
+    "09",
+)
 SEARCH_TERM, SEARCH_HIT = "reshard_after_forward", "07_sharding.html"
 BOOK_PACKAGES = (
     "sphinx",

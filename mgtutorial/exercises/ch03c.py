@@ -1,7 +1,6 @@
-"""Checker of chapter 03b's exercise 03b.4 (notebooks/03b_ddp_internals.ipynb): uneven inputs
-with ``Join``, against one process that divides the gradients of the ranks still training by the
-world size (without ``Join``, a collective timeout of 3 s on DDP's group ends the job). Called as
-``ex.ch03b.join_uneven`` (:mod:`mgtutorial.exercises.ch03b` has the chapter's other checkers).
+"""Checker of chapter 03c's exercise (notebooks/03c_ddp_pitfalls.ipynb): uneven inputs with
+``Join``, against one process that divides the gradients of the ranks still training by the world
+size (without ``Join``, a collective timeout of 3 s on DDP's group ends the job).
 """
 
 from __future__ import annotations
@@ -80,7 +79,8 @@ class _Counted(list):
 def join_worker(cfg: JoinConfig) -> dict:
     """DDP of a linear layer, plain SGD, the learner's ``train_uneven`` on uneven batches; gloo,
     DDP (and so ``Join``) on a group of its own with the ``timeout_s`` timeout. Saves each rank's
-    parameters. An error in the loop names the training step it came from ("[step k of n]")."""
+    parameters; returns ``{"mean_loss"}``, what ``train_uneven`` returned (its repr if not a
+    float). An error names the training step it came from ("[step k of n]")."""
     fn = function_from(cfg.path, "train_uneven")
     with env.distributed("gloo", cfg.start_timeout_s) as ctx:
         group = dist.new_group(timeout=timedelta(seconds=cfg.timeout_s))
@@ -88,35 +88,39 @@ def join_worker(cfg: JoinConfig) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
         batches = _Counted(uneven_batches(cfg, ctx.rank, ctx.world_size))
         try:
-            fn(model, optimizer, nn.functional.mse_loss, batches)
+            mean_loss = fn(model, optimizer, nn.functional.mse_loss, batches)
         except RuntimeError as e:
             raise RuntimeError(f"[step {batches.taken} of {len(batches)}] {e}") from e
         save_params(model.module, ctx.rank)
-        return {}
+        return {"mean_loss": mean_loss if isinstance(mean_loss, float) else repr(mean_loss)}
 
 
-def join_reference(cfg: JoinConfig, world_size: int) -> dict:
+def join_reference(cfg: JoinConfig, world_size: int, losses: list | None = None) -> dict:
     """One process: at each step, the sum of the gradients of the ranks that still have a batch,
     divided by the world size (``Join``'s default, ``divide_by_initial_world_size=True``), one SGD
-    step. Returns the final state dict."""
+    step. Returns the final state dict; appends every batch's loss to ``losses`` if given."""
     model = join_model()
     data = [uneven_batches(cfg, r, world_size) for r in range(world_size)]
     for step in range(max(map(len, data))):
-        grads = [
-            torch.autograd.grad(nn.functional.mse_loss(model(x), y), list(model.parameters()))
-            for x, y in (d[step] for d in data if step < len(d))
+        step_losses = [
+            nn.functional.mse_loss(model(x), y) for x, y in (d[step] for d in data if step < len(d))
         ]
+        grads = [torch.autograd.grad(loss, list(model.parameters())) for loss in step_losses]
+        if losses is not None:
+            losses += [loss.item() for loss in step_losses]
         with torch.no_grad():
             for p, *gs in zip(model.parameters(), *grads):
                 p -= cfg.lr * sum(gs) / world_size
     return model.state_dict()
 
 
-def join_uneven(path: str = "ex03b_join.py") -> None:
-    """03b.4: ``train_uneven(model, optimizer, loss_fn, batches)`` in ``path`` trains every batch
-    although the last rank has 2 more; without ``Join`` the ranks fail after the 3 s timeout.
-    Compares every rank with :func:`join_reference`."""
-    ex = "03b.4 join"
+def join_uneven(path: str = "ex03c_join.py") -> None:
+    """03c.1: ``train_uneven(model, optimizer, loss_fn, batches)`` in ``path`` trains every batch
+    although the last rank has 2 more, and returns the mean loss over every batch of every rank on
+    every rank. Without ``Join`` the ranks fail after the 3 s timeout; with a collective of its own
+    in the loop (a per-step all-reduce of the loss), the joined rank waits in ``Join`` for a
+    collective the last rank never makes. Compares every rank with :func:`join_reference`."""
+    ex = "03c.1 join"
     function_from(path, "train_uneven", ex)
     cfg = JoinConfig(path=str(Path(path).resolve()))
     try:
@@ -125,6 +129,14 @@ def join_uneven(path: str = "ex03b_join.py") -> None:
         step = re.search(r"\[step (\d+) of (\d+)\] .*time", e.hint, re.I)
         if not step:
             raise
+        if e.rank == 0 and step[1] == step[2]:  # rank 0 done, waiting in Join for the last rank
+            raise ExerciseError(
+                ex,
+                f"rank 0 had trained its {step[2]} batches and waited inside Join for the last "
+                f"rank's next collective until the {cfg.timeout_s:g} s timeout: the last rank "
+                "was in a collective of your own (the loss's all-reduce?), which Join does not "
+                "shadow; keep the losses on each rank and all-reduce once, after the Join block",
+            ) from None
         if e.rank == 1 and int(step[1]) > cfg.batches:  # the last rank, alone in an extra batch
             raise ExerciseError(
                 ex,
@@ -138,7 +150,8 @@ def join_uneven(path: str = "ex03b_join.py") -> None:
             f"trains: the machine was too busy for the {cfg.timeout_s:g} s timeout; run the "
             f"checker again",
         ) from None
-    ranks, reference = load_params(result.run_dir, 2), join_reference(cfg, 2)
+    losses: list[float] = []
+    ranks, reference = load_params(result.run_dir, 2), join_reference(cfg, 2, losses)
     different = max_abs_diff(ranks[0], ranks[1]) >= 1e-6
     require(not different, ex, "the ranks finished with different parameters")
     d = max_abs_diff(ranks[0], reference)
@@ -148,8 +161,32 @@ def join_uneven(path: str = "ex03b_join.py") -> None:
         f"the parameters differ from the reference by {d:.2g}: in the extra steps the last "
         "rank's gradient is divided by the full world size (Join's default)",
     )
+    means = [result.values[r]["mean_loss"] for r in range(2)]
+    require(
+        all(isinstance(m, float) for m in means),
+        ex,
+        f"train_uneven returned {means[0]!r}: return the mean loss as a Python float (.item())",
+    )
+    require(
+        abs(means[0] - means[1]) < 1e-6,
+        ex,
+        "the ranks returned different mean losses: each returned the mean of its own batches; "
+        "add up the losses and the number of batches on each rank, and all-reduce both once",
+    )
+    mean = sum(losses) / len(losses)
+    require(
+        abs(means[0] - mean) < 1e-5 * max(1.0, abs(mean)),
+        ex,
+        f"the ranks agree on a mean loss, but not the mean over all {len(losses)} batches of "
+        f"both ranks: the last rank has {cfg.extra} more batches, so the mean of the ranks' "
+        "means weighs its batches less; divide the summed losses by the summed batch counts",
+    )
     passed(
         ex,
-        f"the last rank trained {cfg.extra} batches more, nobody timed out, and every rank equals "
-        "one process summing the gradients of the ranks still training ÷ world size",
+        f"the last rank trained {cfg.extra} batches more, nobody timed out, every rank equals "
+        "one process summing the gradients of the ranks still training ÷ world size, and every "
+        f"rank returned the mean loss over all {len(losses)} batches",
     )
+
+
+__all__ = ["join_uneven"]

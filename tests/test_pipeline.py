@@ -47,11 +47,11 @@ def test_hand_gpipe_equals_library_gpipe_and_1f1b_equals_unsplit(runs, no_leftov
 
 @pytest.mark.timeout(120)
 def test_interleaved_two_stages_per_rank_equals_unsplit(runs, no_leftovers):
-    m = 4
+    m = 3  # torch 2.14's ScheduleInterleaved1F1B does not need m divisible by the ranks
     cfg = schedules.PipelineConfig(
         schedule="interleaved",
         n_microbatches=m,
-        batch_size=32,
+        batch_size=33,
         steps=2,
         sizes=[1024, 512, 256, 128, 100],
         input_grad=True,
@@ -70,6 +70,11 @@ def test_interleaved_two_stages_per_rank_equals_unsplit(runs, no_leftovers):
         for i in range(m):
             assert by[("forward", s, i)]["start"] >= by[("forward", s - 1, i)]["end"]
     assert 0 < bubble.bubble_measured(evs, by="rank") < 1
+    # each rank built and holds only its two stages
+    stages = schedules.initial_mlp(cfg).split(4)
+    for r in range(2):
+        mine = [t for s in (r, r + 2) for t in stages[s].parameters()]
+        assert res.values[r]["parameter_bytes"] == sum(t.numel() * 4 for t in mine)
 
 
 @pytest.mark.timeout(120)
@@ -89,15 +94,6 @@ def test_indivisible_batch_library_refused_before_any_process(runs):
                 2,
                 runs_dir=runs,
             )
-    with pytest.raises(
-        ValueError, match="interleaved needs n_microbatches divisible by the ranks: 3 % 2"
-    ):
-        launch(
-            schedules.worker,
-            schedules.PipelineConfig(schedule="interleaved", n_microbatches=3, batch_size=33),
-            2,
-            runs_dir=runs,
-        )
     with pytest.raises(ValueError, match="1F1B needs n_microbatches ≥ stages: 1 < 2"):
         launch(
             schedules.worker,
@@ -387,3 +383,46 @@ def test_split_checker_refuses_each_wrong_split_with_its_hint():
     for hint, stages in wrong.items():
         with pytest.raises(ExerciseError, match=hint):
             check_split("ex", "f", mlp, stages, 2)
+
+
+def test_build_stage_builds_only_its_stage_with_the_whole_models_weights():
+    cfg = schedules.PipelineConfig(sizes=[32, 16, 8, 4, 2])
+    whole = schedules.initial_mlp(cfg).split(3)
+    for s in range(3):
+        stage = schedules.build_stage(cfg, s, 3)
+        assert all(t.device.type == "cpu" for t in stage.parameters())
+        torch.testing.assert_close(stage.state_dict(), whole[s].state_dict())
+    other = schedules.build_stage(schedules.PipelineConfig(sizes=[32, 16, 8, 4, 2], seed=1), 0, 3)
+    assert max_abs_diff(other.state_dict(), whole[0].state_dict()) > 1e-3  # the seed matters
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_simulated_device_keeps_the_arithmetic_and_the_schedules_order(
+    schedule, runs, no_leftovers
+):
+    """A stage on a simulated device (pipeline.simulated.Busy) trains the unsplit model's
+    parameters, and each stage runs its boxes in the schedule's order (never a duration)."""
+    m = 4
+    cfg = schedules.PipelineConfig(
+        schedule=schedule, n_microbatches=m, batch_size=16, steps=2, sizes=[16] * 5, device_ms=8
+    )
+    run, res = _run(cfg, runs)
+    _assert_equals_unsplit(run, res, cfg)
+    evs = timeline.events(runlog.read_run(run.run_dir), step=2)
+    for s in range(2):
+        mine = [(e["event"], e["microbatch"]) for e in evs if e["stage"] == s]
+        assert mine == _expected_order(schedule, s, 2, m)
+
+
+def test_busy_sleeps_in_forward_and_backward_and_changes_nothing():
+    from mgtutorial.pipeline import simulated
+
+    assert simulated.box_seconds(80, 2, 4) == (0.01, 0.02)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    x = torch.randn(5, 4)
+    want = torch.autograd.grad(net(x).sum(), list(net.parameters()))
+    simulated.on_simulated_device(net, 80, 2, 4)
+    assert list(net.state_dict()) == ["0.weight", "0.bias"]  # Busy holds no parameters
+    got = torch.autograd.grad(net(x).sum(), list(net.parameters()))
+    torch.testing.assert_close(got, want)

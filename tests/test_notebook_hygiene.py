@@ -29,7 +29,9 @@ CHAPTERS = (
     "02_ddp",
     "03a_collectives",
     "03b_ddp_internals",
-    "04_model_parallel",
+    "04a_pipeline_gpipe",
+    "04b_pipeline_schedules",
+    "04z_appendix_delays",
     "05a_torchrun_multinode",
     "05b_elastic_and_hangs",
     "06a_article_ddp",
@@ -436,3 +438,89 @@ def test_a_session_that_leaves_a_rank_fails_and_names_it(tmp_path, args):
         for p in psutil.process_iter(["cmdline"]):
             if f"mgtutorial-{tag}" in (p.info["cmdline"] or []):
                 p.kill()
+
+
+# --- printed package source is the package's current source ------------------------------------
+
+_HEADER = re.compile(r"^(\s*)(?:async def|def|class) (\w+)\b")
+
+
+def printed_source_blocks(text: str) -> list[tuple[str, list[str]]]:
+    """(name, lines) of each ``def``/``class`` block in a cell's output: the header and the lines
+    after it that are indented by 4 more, blank, or close a signature (``) -> …:``)."""
+    lines, blocks, i = text.splitlines(), [], 0
+    while i < len(lines):
+        m = _HEADER.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, block = len(m[1]), [lines[i]]
+        i += 1
+        while i < len(lines):
+            line = lines[i]
+            deeper = len(line) - len(line.lstrip()) >= indent + 4  # a body is 4 deeper
+            if line.strip() and not deeper and not line.lstrip().startswith(")"):
+                break
+            block.append(line)
+            i += 1
+        blocks.append((m[2], block))
+    return blocks
+
+
+def _package_lines() -> tuple[dict[str, set[str]], set[str]]:
+    """Names defined in the package, mapped to the stripped lines of the files defining them, and
+    all stripped lines of the package."""
+    defined, every = {}, set()
+    for path in (ROOT / "mgtutorial").rglob("*.py"):
+        text = path.read_text()
+        stripped = {line.strip() for line in text.splitlines()}
+        every |= stripped
+        for m in re.finditer(r"^\s*(?:async def|def|class) (\w+)\b", text, re.M):
+            defined.setdefault(m[1], set()).update(stripped)
+    return defined, every
+
+
+def check_printed_source(nb) -> list[str]:
+    """Every line of a ``def``/``class`` block a cell printed, for a name the package defines, is
+    still a line of the package (a notebook printing ``inspect.getsource`` was re-executed after
+    the package changed)."""
+    defined, _ = _package_lines()
+    problems = []
+    for i, cell in enumerate(code_cells(nb)):
+        if "getsource" not in cell.source:
+            continue
+        for name, block in printed_source_blocks(output_text_all(cell)):
+            if name not in defined:
+                continue  # torch's source, or a learner's
+            stale = [
+                line
+                for line in block
+                if line.strip() and "…" not in line and line.strip() not in defined[name]
+            ]
+            if stale:
+                problems.append(
+                    f"code cell {i} prints {name} with lines the package no longer has: "
+                    f"{stale[0].strip()!r}"
+                )
+    return problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_printed_package_source_is_current(path):
+    problems = check_printed_source(nbformat.read(path, as_version=4))
+    assert not problems, f"{path.name}:\n  " + "\n  ".join(problems)
+
+
+def test_printed_source_check_finds_a_stale_line():
+    nb = nbformat.v4.new_notebook()
+    stale = "def build_stage(cfg, stage, num_stages):\n    return whole_model_on_every_rank()\n"
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "print(inspect.getsource(schedules.build_stage))",
+            outputs=[nbformat.v4.new_output("stream", name="stdout", text=stale)],
+        )
+    ]
+    assert check_printed_source(nb)
+    assert printed_source_blocks("def f(\n    x,\n) -> int:\n    return x\nafter") == [
+        ("f", ["def f(", "    x,", ") -> int:", "    return x"])
+    ]

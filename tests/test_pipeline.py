@@ -360,7 +360,7 @@ def test_naive_split_equals_unsplit_and_runs_one_stage_at_a_time():
 
 
 def test_split_checker_refuses_each_wrong_split_with_its_hint():
-    # exercises 04.3 and 06b.3 share this check; the solution passes, each mistake has its hint
+    # exercises 04b.2 and 06b.3 share this check; the solution passes, each mistake has its hint
     import copy
 
     from torch import nn
@@ -413,16 +413,39 @@ def test_simulated_device_keeps_the_arithmetic_and_the_schedules_order(
     for s in range(2):
         mine = [(e["event"], e["microbatch"]) for e in evs if e["stage"] == s]
         assert mine == _expected_order(schedule, s, 2, m)
+    assert bubble.bubble_measured(evs) == pytest.approx(bubble.bubble_formula(2, m))
 
 
-def test_busy_sleeps_in_forward_and_backward_and_changes_nothing():
+def test_device_clock_runs_each_box_when_its_lane_is_free_and_its_input_ready():
+    """Two stages' clocks fed the GPipe order of an ideal step give ideal_events' boxes, whatever
+    order the hosts call them in (here stage 1 first for every box it can)."""
+    import datetime
+
+    import torch.distributed as dist
+
     from mgtutorial.pipeline import simulated
 
-    assert simulated.box_seconds(80, 2, 4) == (0.01, 0.02)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 3))
-    x = torch.randn(5, 4)
-    want = torch.autograd.grad(net(x).sum(), list(net.parameters()))
-    simulated.on_simulated_device(net, 80, 2, 4)
-    assert list(net.state_dict()) == ["0.weight", "0.bias"]  # Busy holds no parameters
-    got = torch.autograd.grad(net(x).sum(), list(net.parameters()))
-    torch.testing.assert_close(got, want)
+    store, m = dist.HashStore(), 4
+    store.set_timeout(datetime.timedelta(seconds=5))
+    clocks = [simulated.DeviceClock(store, 1.0, 2.0, last_stage=1) for _ in range(2)]
+    got = []
+    for event in ("forward", "backward"):
+        for i in range(m):
+            for s in (0, 1) if event == "forward" else (1, 0):
+                start, end = clocks[s].box(event, s, i, step=1)
+                got.append(
+                    {
+                        "event": event,
+                        "stage": s,
+                        "rank": s,
+                        "microbatch": i,
+                        "start": start,
+                        "end": end,
+                    }
+                )
+    want = bubble.ideal_events("gpipe", 2, m, forward_s=1.0, backward_s=2.0)
+    key = lambda e: (e["stage"], e["event"], e["microbatch"])  # noqa: E731
+    assert {key(e): (e["start"], e["end"]) for e in got} == {
+        key(e): (e["start"], e["end"]) for e in want
+    }
+    assert bubble.bubble_measured(got) == pytest.approx(bubble.bubble_formula(2, m))

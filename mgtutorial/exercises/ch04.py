@@ -1,4 +1,5 @@
-"""Checkers of chapter 04's exercises (notebooks/04_model_parallel.ipynb): the bubble formula, the
+"""Checkers of chapter 04's exercises (notebooks/04a_pipeline_gpipe.ipynb: 04a.1, 04a.2;
+notebooks/04b_pipeline_schedules.ipynb: 04b.1, 04b.2): the bubble formula, the
 peak activation bytes of each stage under GPipe and 1F1B, a balanced split of the MLP into
 stages, and the weighting of micro-batch losses."""
 
@@ -26,12 +27,12 @@ from mgtutorial.pipeline.bubble import bubble_formula, bubble_measured, ideal_ev
 
 
 def bubble(predicted: dict, smallest_m) -> None:
-    """04.1: ``predicted[(p, m, v)]`` is the ideal bubble fraction (a float) for p ranks, m
+    """04a.1: ``predicted[(p, m, v)]`` is the ideal bubble fraction (a float) for p ranks, m
     micro-batches and v stages per rank, for (4, 8, 1), (4, 8, 2) and (8, 16, 1); ``smallest_m``
     (an int) is the smallest m whose ideal bubble at p = 4, v = 1 is at most 10 %. Verified against
     :func:`mgtutorial.pipeline.bubble.bubble_formula` and, for v = 1, against GPipe and 1F1B steps
     whose boxes have no cost between them (:func:`~mgtutorial.pipeline.bubble.ideal_events`)."""
-    ex = "04.1 bubble formula"
+    ex = "04a.1 bubble formula"
     for p, m, v in ((4, 8, 1), (4, 8, 2), (8, 16, 1)):
         guess = answered(predicted.get((p, m, v)), ex, f"predicted[{(p, m, v)}]")
         truth = bubble_formula(p, m, stages_per_rank=v)
@@ -47,7 +48,8 @@ def bubble(predicted: dict, smallest_m) -> None:
         require(
             close(guess, truth, rel=1e-3, abs_=1e-3),
             ex,
-            f"for p={p}, m={m}, v={v} the idle fraction is {truth:.3f}, you predicted {guess!r}: "
+            f"for p={p}, m={m}, v={v} you predicted {guess!r}, which is not the ideal idle "
+            "fraction: "
             + (
                 "the pipeline fills and drains in p − 1 slots out of m + p − 1"
                 if v == 1
@@ -90,12 +92,8 @@ def _stage_bytes(cfg: schedules.PipelineConfig, stage: int) -> tuple[int, int]:
     return cfg.batch_size * 8, rows * 3 * w * 4 + 4
 
 
-def _micro_batches(n: int) -> str:
-    return f"{n} micro-batch" + ("" if n == 1 else "es")
-
-
 def peak_bytes(predicted: dict) -> None:
-    """04.2: ``predicted[(schedule, stage)]`` (an int) is the peak activation bytes of stage 0 or
+    """04b.1: ``predicted[(schedule, stage)]`` (an int) is the peak activation bytes of stage 0 or
     1, schedule "gpipe" or "1f1b", for 2 ranks, ``sizes=[128] * 5``, batch 64, m = 8 (float32
     activations).
 
@@ -103,7 +101,7 @@ def peak_bytes(predicted: dict) -> None:
     (``ActivationMeter``, each storage counted once); a wrong guess is explained by the parts of
     section 5 (held once, per micro-batch, micro-batches held).
     """
-    ex = "04.2 peak activation bytes"
+    ex = "04b.1 peak activation bytes"
     guesses = {
         key: answered(predicted.get(key), ex, f"predicted[{key!r}]")
         for key in itertools.product(("gpipe", "1f1b"), (0, 1))
@@ -121,7 +119,7 @@ def peak_bytes(predicted: dict) -> None:
         values = run.values
         for s, value in sorted(values.items()):
             peak, (fixed, per_mb) = value["peak_activation_bytes"], _stage_bytes(cfg, s)
-            held, rest = divmod(peak - fixed, per_mb)
+            _, rest = divmod(peak - fixed, per_mb)
             require(
                 rest == 0,
                 ex,
@@ -132,19 +130,21 @@ def peak_bytes(predicted: dict) -> None:
             if guess == peak:
                 continue
             once = "the input batch" if s == 0 else "the int64 targets"
-            why = (
-                f"it is {fixed} held once ({once}) + {_micro_batches(held)} of {per_mb} bytes "
-                "each: check each part against section 5's breakdown for width 1024"
+            part = (
+                f"the bytes held once ({once})"
+                if (guess - fixed) % per_mb
+                else "the number of micro-batches held at the peak"
             )
             raise ExerciseError(
                 ex,
-                f"under {schedule} stage {s} peaks at {peak} bytes, you predicted {guess!r}; {why}",
+                f"under {schedule} stage {s} your {guess!r} is not the measured peak; check "
+                f"{part} against 04b's breakdown for width 1024 (the per-micro-batch bytes too)",
             )
     passed(ex, "GPipe peaks at 98304 and 98848 bytes, 1F1B at 49152 and 12804 (stages 0 and 1)")
 
 
 def balanced_split(split_fn) -> None:
-    """04.3: ``split_fn(mlp, k)`` returns ``k`` modules, the consecutive sub-networks of ``mlp``
+    """04b.2: ``split_fn(mlp, k)`` returns ``k`` modules, the consecutive sub-networks of ``mlp``
     (an :class:`~mgtutorial.common.models.ArticleMLP`) with the largest stage's parameter count as
     small as possible.
 
@@ -154,7 +154,7 @@ def balanced_split(split_fn) -> None:
     model's, whose forward one after the other equals the unsplit model's, and whose largest stage
     is the smallest possible (:func:`~mgtutorial.exercises.splits.check_split`).
     """
-    ex = "04.3 balanced split"
+    ex = "04b.2 balanced split"
     for sizes, k in (
         ((1024, 512, 256, 100), 2),
         ((1024, 512, 256, 100), 3),
@@ -171,7 +171,7 @@ def balanced_split(split_fn) -> None:
 
 
 def loss_weighting(accumulate) -> None:
-    """04.4: ``accumulate(model, x, y, m)`` cuts ``(x, y)`` into ``m`` micro-batches
+    """04a.2: ``accumulate(model, x, y, m)`` cuts ``(x, y)`` into ``m`` micro-batches
     (``torch.tensor_split``), runs forward and backward on each, and leaves in ``.grad`` the
     gradient of the full batch's mean cross-entropy.
 
@@ -180,7 +180,7 @@ def loss_weighting(accumulate) -> None:
     ``scale_grads`` does) give the wrong gradient, and with batch 32 in m = 4 (8 each), where they
     are right.
     """
-    ex = "04.4 loss weighting"
+    ex = "04a.2 loss weighting"
     for batch, m in ((33, 4), (32, 3), (32, 4)):
         g = torch.Generator().manual_seed(batch + m)
         x, y = torch.randn(batch, 16, generator=g), torch.randint(0, 10, (batch,), generator=g)

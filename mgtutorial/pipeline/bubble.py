@@ -2,8 +2,10 @@
 measured on a real step's boxes, with a model of the delay between boxes that the formula leaves
 out.
 
-Taught in notebooks/04_model_parallel.ipynb (section 4: the measured bubble against
-(p − 1)/(m + p − 1) and against the model) and checked by its exercise 04.1. The formula is GPipe's
+Taught in notebooks/04a_pipeline_gpipe.ipynb (section 4: the measured bubble against
+(p − 1)/(m + p − 1), on the simulated device and the CPU; exercise 04a.1),
+notebooks/04b_pipeline_schedules.ipynb (1F1B, interleaved) and notebooks/04z_appendix_delays.ipynb
+(the model with the delay between boxes). The formula is GPipe's
 (Huang et al., 2019) and interleaved 1F1B's (Narayanan et al., 2021); the events are those a
 :class:`mgtutorial.pipeline.timeline.Timeline` logs (``event``, ``stage``, ``rank``,
 ``microbatch``, ``start``, ``end``), or those :func:`ideal_events` draws. Pure arithmetic: no

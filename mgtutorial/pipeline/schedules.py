@@ -2,7 +2,7 @@
 interleaved 1F1B (``ScheduleInterleaved1F1B``, two stages per rank) and GPipe by hand
 (:mod:`mgtutorial.pipeline.hand_gpipe`), run by one worker.
 
-Taught in notebooks/04_model_parallel.ipynb. Follows
+Taught in notebooks/04a_pipeline_gpipe.ipynb and notebooks/04b_pipeline_schedules.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.pipelining.html and the GPipe (Huang et al., 2019) and
 1F1B (PipeDream-Flush, Narayanan et al., 2021) schedules, and its interleaved variant (same paper).
 The boxes each stage logs are in :mod:`mgtutorial.pipeline.timeline`, the bubble they leave in
@@ -19,11 +19,14 @@ s−1 with point-to-point send/recv. From the shell::
 
 from __future__ import annotations
 
+import datetime
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -80,9 +83,9 @@ class PipelineConfig(Config):
     fail_stage: int = -1
     """Fault injection: this stage raises at step 2 (−1: never)."""
     device_ms: float = 0.0
-    """A simulated device (:mod:`mgtutorial.pipeline.simulated`): the whole model's forward of
-    one batch lasts this many milliseconds (its backward twice), shared evenly by the stages and
-    micro-batches, while the host sleeps; 0: real compute only."""
+    """A simulated device (:mod:`mgtutorial.pipeline.simulated`): the timeline's boxes are the
+    device's, on which the whole model's forward of one batch lasts this many milliseconds (its
+    backward twice), shared evenly by the stages and micro-batches; 0: the host's clock."""
     input_grad: bool = False
     """Stage 0 also computes the gradient of its input (work nobody needs), so that in an MLP of
     equal layers every stage's backward does the same work (chapter 04's bubble measurement)."""
@@ -183,6 +186,21 @@ def unsplit_reference(cfg: PipelineConfig) -> tuple[nn.Module, list[float]]:
     return model, losses
 
 
+def simulated_device(cfg: PipelineConfig, ctx: env.DistContext, num_stages: int):
+    """This rank's :class:`~mgtutorial.pipeline.simulated.DeviceClock`, its box times from
+    ``cfg.device_ms``, sharing the job's store (a client of the ``MASTER_ADDR:MASTER_PORT`` store
+    the ranks met at) under the prefix ``simulated_device``."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+    )
+    forward_s, backward_s = simulated.box_seconds(cfg.device_ms, num_stages, cfg.n_microbatches)
+    prefixed = dist.PrefixStore("simulated_device", store)
+    return simulated.DeviceClock(prefixed, forward_s, backward_s, num_stages - 1)
+
+
 def worker(cfg: PipelineConfig) -> dict:
     """One pipeline stage per rank (stage = rank; two for "interleaved": r and r + p); trains
     ``cfg.steps`` steps with ``cfg.schedule``.
@@ -201,11 +219,9 @@ def worker(cfg: PipelineConfig) -> dict:
         cfg.validate(p)
         ids = [s + i * p for i in range(v)]  # the global stages this rank holds
         modules = [build_stage(cfg, i, v * p).to(ctx.device) for i in ids]  # only those
-        if cfg.device_ms:
-            for mod in modules:
-                simulated.on_simulated_device(mod, cfg.device_ms, v * p, cfg.n_microbatches)
+        clock = simulated_device(cfg, ctx, v * p) if cfg.device_ms else None
         memory = ActivationMeter(nn.ModuleList(modules))
-        timelines = [timeline.Timeline(mod, i, log, memory) for mod, i in zip(modules, ids)]
+        timelines = [timeline.Timeline(mod, i, log, memory, clock) for mod, i in zip(modules, ids)]
         opt = torch.optim.SGD(nn.ModuleList(modules).parameters(), lr=cfg.lr)
         schedule = None
         if cfg.schedule != "hand-gpipe":

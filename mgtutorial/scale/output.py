@@ -46,9 +46,28 @@ def digest(output: str) -> str:
         agent = _AGENT_LINE.match(line)
         if line.startswith("[rank ") or re.match(r"\[rank\d+\]: \w+Error", line):
             keep.append(short(line))
+        elif agent and agent[1] == "I":  # INFO (LOGLEVEL=INFO): read with agent_times
+            dropped += 1
         elif agent and not agent[2][:1].isspace() and not agent[2].startswith("Traceback"):
             keep.append(f"agent {agent[1]}: {short(agent[2])}")
         elif line.strip():
             dropped += 1
-    more = f"\n({dropped} more lines: tracebacks and C++ stacks)" if dropped else ""
+    more = f"\n({dropped} more lines: tracebacks, C++ stacks, agent INFO)" if dropped else ""
     return "\n".join(keep) + more
+
+
+_STAMP = re.compile(r"\[?([WEI])(\d{4} [\d:]+\.\d+) +\d+ +\S+\] (\S.*)")
+
+
+def agent_times(output: str, year: int) -> list[tuple[float, str, str]]:
+    """The agents' log lines of ``output`` as (unix time, level, message), in order. TorchElastic
+    stamps them ``I1202 07:28:12.090000`` (month, day, local time; ``LOGLEVEL=INFO`` for the I
+    lines): ``year`` completes the date. Comparable with the ranks' records' ``time``."""
+    import datetime
+
+    times = []
+    for line in output.splitlines():
+        if m := _STAMP.match(line):
+            when = datetime.datetime.strptime(f"{year}{m[2]}", "%Y%m%d %H:%M:%S.%f")
+            times.append((when.timestamp(), m[1], m[3]))
+    return times

@@ -15,7 +15,7 @@ from mgtutorial.__main__ import build_parser, main
 from mgtutorial.runtime import runlog
 from mgtutorial.runtime.run import WorkerFailed
 from mgtutorial.scale import elastic, hangs, restarts, slurm, torchrun
-from mgtutorial.scale.output import digest
+from mgtutorial.scale.output import agent_times, digest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -353,6 +353,12 @@ def test_digest_keeps_rank_lines_and_agent_messages_without_machine_noise():
         "agent E: failed (exitcode: -9) local_rank: 1 (pid: …)",
         "(2 more lines: tracebacks and C++ stacks)",
     ]
+    info = "I1201 08:38:09.126000 28833 torch/distributed/elastic/agent/server/api.py:715] x\n"
+    assert digest(out + info).splitlines()[-1] == (
+        "(3 more lines: tracebacks and C++ stacks, agent INFO lines)"
+    )
+    ((when, level, message),) = agent_times(info, 2026)
+    assert (level, message) == ("I", "x") and time.localtime(when)[:6] == (2026, 12, 1, 8, 38, 9)
 
 
 JOB = {

@@ -23,7 +23,7 @@ from mgtutorial.exercises._common import (
 )
 from mgtutorial.exercises.splits import check_split
 from mgtutorial.pipeline import schedules
-from mgtutorial.pipeline.bubble import bubble_formula, bubble_measured, ideal_events
+from mgtutorial.pipeline.bubble import bubble_formula, bubble_measured, ideal_events, step_span
 
 
 def bubble(predicted: dict, smallest_m) -> None:
@@ -223,3 +223,45 @@ def loss_weighting(accumulate) -> None:
             f"full batch's by up to {max_abs_diff(got, want):.1e}: {hint}",
         )
     passed(ex, "batch 33 in 4, 32 in 3 and 32 in 4 micro-batches give the full batch's gradient")
+
+
+CHOOSE_CASES = (  # (p, F, B, o, batch): one stage's whole-batch forward, backward; delay per box
+    (2, 0.240, 0.480, 0.0, 64),
+    (2, 0.240, 0.480, 0.002, 64),
+    (4, 0.100, 0.200, 0.005, 48),
+    (2, 0.020, 0.040, 0.003, 512),
+)
+
+
+def choose_m(best_m) -> None:
+    """04b.3: ``best_m(p, F, B, o, batch)`` returns the micro-batch count m (a divisor of
+    ``batch``, as the library needs) whose step is shortest, for a stage whose whole-batch forward
+    and backward take F and B seconds (so F/m and B/m per box) and a delay of o seconds before
+    each box on the critical path (the decomposition of 04z:
+    :func:`~mgtutorial.pipeline.bubble.step_span`). Verified against every divisor."""
+    ex = "04b.3 choosing m"
+    for p, f, b, o, batch in CHOOSE_CASES:
+        m = attempt(ex, best_m, p, f, b, o, batch)
+        require(
+            isinstance(m, int) and m >= 1 and batch % m == 0,
+            ex,
+            f"best_m(p={p}, F={f}, B={b}, o={o}, batch={batch}) returned {m!r}: give a divisor "
+            "of the batch (an int)",
+        )
+        span = {d: step_span(p, d, f / d, b / d, o) for d in range(1, batch + 1) if batch % d == 0}
+        best = min(span.values())
+        if span[m] <= best * (1 + 1e-9):
+            continue
+        why = (
+            "with o = 0 the step only shrinks as m grows"
+            if o == 0
+            else "each micro-batch adds 2·o to every slot of the critical path, and there are "
+            "m + p − 1 slots: past some m the delays cost more than the shorter fill and drain "
+            "save; compare the step at every divisor"
+        )
+        raise ExerciseError(
+            ex,
+            f"for p={p}, F={f} s, B={b} s, o={o} s, batch {batch}, another divisor of the batch "
+            f"gives a shorter step than m={m}: {why}",
+        )
+    passed(ex, f"{len(CHOOSE_CASES)} cases: each m gives the shortest step of all the divisors")

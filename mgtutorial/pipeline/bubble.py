@@ -38,8 +38,24 @@ def bubble_model(
     many backwards, so the span is (v·m + p − 1)·(f + b + 2·o) − o, and the idle fraction
     1 − v·m·(f + b) / ((v·m + p − 1)·(f + b + 2·o) − o); seconds, f and b one box of one stage.
     With o = 0 it is :func:`bubble_formula`."""
-    p, vm, work = num_stages, stages_per_rank * n_microbatches, forward_s + backward_s
-    return 1 - vm * work / ((vm + p - 1) * (work + 2 * delay_s) - delay_s)
+    vm, work = stages_per_rank * n_microbatches, forward_s + backward_s
+    span = step_span(num_stages, n_microbatches, forward_s, backward_s, delay_s, stages_per_rank)
+    return 1 - vm * work / span
+
+
+def step_span(
+    num_stages: int,
+    n_microbatches: int,
+    forward_s: float,
+    backward_s: float,
+    delay_s: float = 0.0,
+    stages_per_rank: int = 1,
+) -> float:
+    """Seconds from a step's first box to its last, when every box on the critical path but the
+    first starts ``delay_s`` late: (v·m + p − 1)·(f + b + 2·o) − o, with f, b one box of one
+    stage (:func:`bubble_model`)."""
+    vm, work = stages_per_rank * n_microbatches, forward_s + backward_s
+    return (vm + num_stages - 1) * (work + 2 * delay_s) - delay_s
 
 
 def box_order(

@@ -360,7 +360,7 @@ def test_naive_split_equals_unsplit_and_runs_one_stage_at_a_time():
 
 
 def test_split_checker_refuses_each_wrong_split_with_its_hint():
-    # exercises 04b.2 and 06b.3 share this check; the solution passes, each mistake has its hint
+    # exercise 04b.2's check; the solution passes, each mistake has its hint
     import copy
 
     from torch import nn

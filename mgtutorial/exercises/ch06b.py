@@ -2,7 +2,7 @@
 article's copies together, the bytes ``retain_graph=True`` keeps alive, stages whose parameters add
 up to one model, and the world size a process group is told.
 
-The rank-side checkers (06b.1, 06b.4) run the learner's file in the workers of
+The rank-side checkers (06b.1, 06b.3) run the learner's file in the workers of
 :mod:`mgtutorial.exercises.ch06_ranks` and read what the ranks logged or returned.
 """
 
@@ -21,14 +21,12 @@ from mgtutorial.exercises._common import (
     ExerciseError,
     RankFailed,
     answered,
-    attempt,
     close,
     function_from,
     passed,
     require,
     run_ranks,
 )
-from mgtutorial.exercises.splits import check_split
 from mgtutorial.pipeline.activations import ActivationMeter
 from mgtutorial.runtime import runlog
 
@@ -155,36 +153,11 @@ def retained_bytes(predicted: dict) -> None:
     )
 
 
-# --- 06b.3: stages that add up to one model ------------------------------------------------------
-
-
-def stage_split(split_stages) -> None:
-    """06b.3: ``split_stages(model, num_stages)`` returns ``num_stages`` modules (the stages) of an
-    ``ArticleMLP``, applied in order.
-
-    Verified for 1, 2, 3 stages: every parameter of the model in exactly one stage (the stages'
-    counts add up to the model's), stage by stage the same output as the model, and the largest
-    stage as small as a split into consecutive sub-networks allows
-    (:func:`~mgtutorial.exercises.splits.check_split`, as in exercise 04b.2).
-    """
-    ex = "06b.3 stages"
-    whole_model = "every stage is the whole model (the article's flaw 2.1)"
-    for n in (1, 2, 3):
-        model = ArticleMLP()
-        stages = attempt(ex, split_stages, model, n)
-        check_split(ex, f"split_stages(model, {n})", model, stages, n, whole_model)
-    passed(
-        ex,
-        "1, 2 and 3 stages hold every parameter once, compute the model's output, and the "
-        "largest stage is as small as it can be",
-    )
-
-
-# --- 06b.4: the world a process group is told, on two nodes --------------------------------------
+# --- 06b.3: the world a process group is told, on two nodes --------------------------------------
 
 
 def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -> None:
-    """06b.4: ``join(part)`` in ``path`` returns ``{"world_size", "rank", "stage", "same_stage"}``
+    """06b.3: ``join(part)`` in ``path`` returns ``{"world_size", "rank", "stage", "same_stage"}``
     for the process started for sub-network ``part`` (0 … subnets − 1) on its node; ``same_stage``
     lists the ranks whose gradients for that stage must be averaged (the two nodes are two
     pipeline replicas).
@@ -195,7 +168,7 @@ def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -
     the ranks' return values: the world is the 6 processes, each rank is the one the process was
     started as, each runs stage rank % subnets, and names every rank of that stage as its peers.
     """
-    ex = "06b.4 world size"
+    ex = "06b.3 world size"
     function_from(path, "join", ex)  # a missing file or a syntax error, before any rank starts
     nprocs = nodes * subnets
     cfg = ch06_ranks.WorldConfig(path=str(Path(path).resolve()), subnets=subnets)

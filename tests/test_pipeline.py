@@ -449,3 +449,32 @@ def test_device_clock_runs_each_box_when_its_lane_is_free_and_its_input_ready():
         key(e): (e["start"], e["end"]) for e in want
     }
     assert bubble.bubble_measured(got) == pytest.approx(bubble.bubble_formula(2, m))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"])
+def test_zero_bubble_schedules_equal_the_unsplit_model_on_gloo(schedule, runs, no_leftovers):
+    from mgtutorial.pipeline import zero_bubble
+
+    cfg = zero_bubble.ZeroBubbleConfig(schedule=schedule, n_microbatches=4)
+    res = launch(zero_bubble.worker, cfg, 2, runs_dir=runs).wait(timeout=180)
+    assert all(v["max_grad_diff"] < 1e-6 for v in res.values.values())
+    order = res.values[0]["order"]
+    actions = sorted(a for acts in order.values() for a in acts)
+    assert actions == sorted(f"{s}{k}{i}" for s in range(4) for k in "FIW" for i in range(4))
+    evs = zero_bubble.order_events(order, 4)
+    assert bubble.bubble_measured(evs, by="rank") < bubble.bubble_formula(2, 4, 2)
+
+
+def test_order_events_follow_dependencies_and_refuse_a_deadlock():
+    from mgtutorial.pipeline import zero_bubble
+
+    order = {0: ["0F0", "1F0", "1I0", "0I0", "1W0", "0W0"]}  # one rank, two stages
+    evs = zero_bubble.order_events(order, 2)
+    assert [(e["event"], e["stage"], e["start"]) for e in evs][:3] == [
+        ("forward", 0, 0.0),
+        ("forward", 1, 1.0),
+        ("input", 1, 2.0),
+    ]
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        zero_bubble.order_events({0: ["0I0", "0F0"]}, 1)

@@ -130,9 +130,19 @@ def memory_curve(evs: list[dict], lane: int, by: str = "stage") -> tuple[list[fl
     return [(e["end"] - t0) * 1e3 for e in mine], [e["live_activation_bytes"] for e in mine]
 
 
+COLORS = {
+    "forward": "tab:blue",
+    "backward": "tab:orange",
+    "input": "tab:orange",
+    "weight": "tab:green",
+}
+LIGHT = {"forward": "lightskyblue", "weight": "lightgreen"}
+
+
 def gantt(evs: list[dict], ax=None, title: str = "", by: str = "stage"):
-    """Draw a Gantt chart of timeline events: one row per stage (or per rank, ``by="rank"``), F/B
-    boxes labelled by micro-batch (and by stage when a rank holds several)."""
+    """Draw a Gantt chart of timeline events: one row per stage (or per rank, ``by="rank"``), boxes
+    labelled by kind (F, B; I and W for a split backward) and micro-batch, a rank's second stage
+    lighter."""
     from matplotlib.figure import Figure
 
     lanes = sorted({e[by] for e in evs})
@@ -143,9 +153,9 @@ def gantt(evs: list[dict], ax=None, title: str = "", by: str = "stage"):
     t0 = min(e["start"] for e in evs)
     span = (max(e["end"] for e in evs) - t0) * 1e3
     for e in evs:
-        color = "tab:blue" if e["event"] == "forward" else "tab:orange"
+        color = COLORS.get(e["event"], "tab:orange")
         if by == "rank" and e["stage"] != e["rank"]:  # a rank's second stage: lighter
-            color = "lightskyblue" if e["event"] == "forward" else "navajowhite"
+            color = LIGHT.get(e["event"], "navajowhite")
         left, width = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
         ax.barh(e[by], width, left=left, color=color, edgecolor="black", linewidth=0.5)
         if width < 0.02 * span:  # too narrow for a label
@@ -153,7 +163,7 @@ def gantt(evs: list[dict], ax=None, title: str = "", by: str = "stage"):
         ax.text(
             left + width / 2,
             e[by],
-            f"{'F' if e['event'] == 'forward' else 'B'}{e['microbatch']}",
+            f"{e['event'][0].upper()}{e['microbatch']}",
             ha="center",
             va="center",
             fontsize=7,

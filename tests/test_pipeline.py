@@ -94,6 +94,15 @@ def test_indivisible_batch_library_refused_before_any_process(runs):
                 2,
                 runs_dir=runs,
             )
+    with pytest.raises(
+        ValueError, match=r"interleaved runs n_microbatches=5 in max\(1, m // ranks\) = 2"
+    ):
+        launch(
+            schedules.worker,
+            schedules.PipelineConfig(schedule="interleaved", n_microbatches=5, batch_size=60),
+            2,
+            runs_dir=runs,
+        )
     with pytest.raises(ValueError, match="1F1B needs n_microbatches ≥ stages: 1 < 2"):
         launch(
             schedules.worker,

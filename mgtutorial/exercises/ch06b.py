@@ -239,6 +239,6 @@ def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -
     passed(
         ex,
         f"{nprocs} processes on {nodes} simulated nodes joined a world of {nprocs} as ranks 0 … "
-        f"{nprocs - 1}, running stages {stages}, each stage's gradients averaged over the ranks "
-        "that run it",
+        f"{nprocs - 1}, running stages {stages}, each naming the ranks whose gradients for its "
+        "stage must be averaged",
     )

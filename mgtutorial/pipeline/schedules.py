@@ -118,6 +118,12 @@ class PipelineConfig(Config):
             )
         if self.schedule == "1f1b" and m < nprocs:
             raise ValueError(f"1F1B needs n_microbatches ≥ stages: {m} < {nprocs}.")
+        rounds = max(1, m // nprocs)  # ScheduleInterleaved1F1B's own rule (torch 2.14)
+        if self.schedule == "interleaved" and m % rounds:
+            raise ValueError(
+                f"interleaved runs n_microbatches={m} in max(1, m // ranks) = {rounds} rounds, "
+                f"which must divide m: use a multiple of {rounds}, or m ≤ {nprocs}."
+            )
         stages = nprocs * stages_per_rank(self)
         if stages > len(self.sizes) - 1:
             raise ValueError(

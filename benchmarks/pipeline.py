@@ -30,7 +30,7 @@ notebooks/04z_appendix_delays.ipynb), ``speedup_gpipe_m8_vs_naive``, the load av
 start and end, and ``cpu_count``. Both bubble conventions are reported: ``bubble_measured`` is the
 idle fraction of the step, (p − 1)/(m + p − 1) ideally; ``bubble_vs_compute`` the idle time over the
 busy time, b / (1 − b), (p − 1)/m ideally (Megatron-LM, the Ultra-Scale Playbook). ``best_speedup``
-is the best samples/s of any schedule and m over the naive split's, with where it was reached.
+is the best samples/s of any schedule and m ≥ 2 over the naive split's, with where it was reached.
 With ``--device-ms`` > 0 every configuration runs again on the simulated device
 (:mod:`mgtutorial.pipeline.simulated`: each rank's device clock, on which the whole model's forward
 of a batch lasts that long; the real schedule only decides the order of the boxes) and the same keys
@@ -135,7 +135,7 @@ def sweep(args, runs_dir: str, device_ms: float = 0.0) -> dict:
                 flush=True,
             )
     out["speedup_gpipe_m8_vs_naive"] = out["gpipe"][8] / naive
-    rates = [(out[s][m], s, m) for s in ("gpipe", "1f1b", "interleaved") for m in out[s]]
+    rates = [(out[s][m], s, m) for s in ("gpipe", "1f1b", "interleaved") for m in out[s] if m > 1]
     rate, schedule, m = max(rates)
     out["best_speedup"] = {"speedup": rate / naive, "schedule": schedule, "m": m}
     out["bubble_max_abs_error_gpipe"] = max(

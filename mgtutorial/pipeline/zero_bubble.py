@@ -20,12 +20,15 @@ from mgtutorial.common.config import Config
 from mgtutorial.pipeline import schedules
 from mgtutorial.runtime import env
 
-ZeroBubble = Literal["ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"]
+ZeroBubble = Literal[
+    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleInterleaved1F1B"
+]
 
 
 @dataclass(kw_only=True)
 class ZeroBubbleConfig(Config):
-    """Configuration of :func:`worker`: one step of a zero-bubble schedule, two stages per rank."""
+    """Configuration of :func:`worker`: one step of a zero-bubble schedule (or, to lay it out the
+    same way, interleaved 1F1B), two stages per rank."""
 
     schedule: ZeroBubble = "ScheduleInterleavedZeroBubble"
     """The torch.distributed.pipelining schedule."""
@@ -89,15 +92,17 @@ def order_events(order: dict, num_stages: int, seconds: dict | None = None) -> l
     """An ideal step from a schedule's actions per rank (``order``: rank → ``["0F0", …]``): each
     action starts when its rank is free and its input is ready (F after the previous stage's F of
     that micro-batch; I after the next stage's I, or the last stage's own F; W after its own I) and
-    lasts ``seconds`` (default F 1, I 1, W 1: a backward, I + W, twice a forward). Events as
+    lasts ``seconds`` (default F 1, I 1, W 1: a backward, I + W, twice a forward; a whole backward
+    B, as interleaved 1F1B's, waits like I and lasts I + W). Events as
     :func:`mgtutorial.pipeline.bubble.bubble_measured` reads them (``event`` "forward", "input",
     "weight"), sorted by start.
 
     Raises:
         RuntimeError: the order deadlocks.
     """
-    seconds = seconds or {"F": 1.0, "I": 1.0, "W": 1.0}
-    names = {"F": "forward", "I": "input", "W": "weight"}
+    seconds = dict(seconds or {"F": 1.0, "I": 1.0, "W": 1.0})
+    seconds["B"] = seconds["I"] + seconds["W"]
+    names = {"F": "forward", "I": "input", "W": "weight", "B": "backward"}
     pending = {int(rank): [_action(a) for a in acts] for rank, acts in order.items()}
     free, end, evs = dict.fromkeys(pending, 0.0), {}, []
     while any(pending.values()):
@@ -108,6 +113,7 @@ def order_events(order: dict, num_stages: int, seconds: dict | None = None) -> l
                 dep = {
                     "F": (stage - 1, "F", mb) if stage > 0 else None,
                     "I": (stage + 1, "I", mb) if stage < num_stages - 1 else (stage, "F", mb),
+                    "B": (stage + 1, "B", mb) if stage < num_stages - 1 else (stage, "F", mb),
                     "W": (stage, "I", mb),
                 }[kind]
                 if dep is not None and dep not in end:

@@ -487,3 +487,7 @@ def test_order_events_follow_dependencies_and_refuse_a_deadlock():
     ]
     with pytest.raises(RuntimeError, match="deadlocks"):
         zero_bubble.order_events({0: ["0I0", "0F0"]}, 1)
+    # a whole backward (interleaved 1F1B's B) waits like I and lasts I + W
+    gpipe = {s: [f"{s}F{i}" for i in range(4)] + [f"{s}B{i}" for i in range(4)] for s in (0, 1)}
+    evs = zero_bubble.order_events({r: acts for r, acts in gpipe.items()}, 2)
+    assert bubble.bubble_measured(evs) == pytest.approx(bubble.bubble_formula(2, 4))

@@ -31,8 +31,9 @@ def agree_on_round(
 
     Rank r > 0 takes a ticket too and posts it under ``KEY/rank<r>``; rank 0 answers under
     ``KEY/answer/<ticket>`` (a key only this start can know) and waits for each rank's
-    acknowledgement. A ticket left by a dead rank of an earlier start may be answered too; nobody
-    reads that answer, and its old acknowledgement holds another round, so rank 0 waits on.
+    acknowledgement, all ranks at once (``multi_get``/``multi_set``: a few round trips per pass,
+    not a few per rank). A ticket left by a dead rank of an earlier start may be answered too;
+    nobody reads that answer, and its old acknowledgement holds another round, so rank 0 waits on.
 
     Raises:
         TimeoutError: (``dist.DistStoreError``) a rank did not arrive within ``timeout``.
@@ -45,15 +46,18 @@ def agree_on_round(
         store.set(f"{KEY}/ack/{ticket}", answer)
         return int(answer)
     pending, deadline = set(range(1, world_size)), time.monotonic() + timeout.total_seconds()
-    while pending:
-        for r in sorted(pending):
-            if not store.check([f"{KEY}/rank{r}"]):
-                continue
-            theirs = store.get(f"{KEY}/rank{r}").decode()
-            store.set(f"{KEY}/answer/{theirs}", str(ticket))
-            ack = f"{KEY}/ack/{theirs}"
-            if store.check([ack]) and store.get(ack).decode() == str(ticket):
-                pending.discard(r)
+    while pending:  # a few store round trips per pass, however many ranks
+        ranks = sorted(pending)
+        store.wait([f"{KEY}/rank{r}" for r in ranks], timeout)  # this start's, or a dead one's
+        theirs = [v.decode() for v in store.multi_get([f"{KEY}/rank{r}" for r in ranks])]
+        store.multi_set([f"{KEY}/answer/{t}" for t in theirs], [str(ticket)] * len(theirs))
+        acks = [f"{KEY}/ack/{t}" for t in theirs]
+        try:
+            store.wait(acks, datetime.timedelta(milliseconds=50))
+            got = [v.decode() for v in store.multi_get(acks)]
+            pending -= {r for r, v in zip(ranks, got) if v == str(ticket)}
+        except dist.DistStoreError:  # not every acknowledgement is in yet
+            pass
         if pending and time.monotonic() > deadline:
             raise TimeoutError(f"ranks {sorted(pending)} did not join round {ticket} in time")
         time.sleep(0.005 if pending else 0)

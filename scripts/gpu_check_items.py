@@ -850,7 +850,7 @@ def sync_batchnorm(w: Where) -> dict:
 
 @item(
     "naive_split",
-    chapter="04_model_parallel",
+    chapter="04a_pipeline_gpipe",
     min_gpus=2,
     timeout_s=90,
     what="the article's MLP split over cuda:0 and cuda:1 (NaiveModelParallel) == the unsplit model",
@@ -882,7 +882,7 @@ def naive_split(w: Where) -> dict:
 
 @item(
     "pipeline_stages",
-    chapter="04_model_parallel",
+    chapter="04a_pipeline_gpipe",
     min_gpus=2,
     timeout_s=300,
     what="one pipeline stage per GPU (torch.distributed.pipelining GPipe/1F1B) == unsplit; "

@@ -30,7 +30,9 @@ CHAPTERS = (
     "03a_collectives",
     "03b_ddp_internals",
     "03c_ddp_pitfalls",
-    "04_model_parallel",
+    "04a_pipeline_gpipe",
+    "04b_pipeline_schedules",
+    "04z_appendix_delays",
     "05a_torchrun_multinode",
     "05b_elastic_and_hangs",
     "06a_article_ddp",
@@ -477,3 +479,104 @@ def test_a_session_that_leaves_a_rank_fails_and_names_it(tmp_path, args):
         for p in psutil.process_iter(["cmdline"]):
             if f"mgtutorial-{tag}" in (p.info["cmdline"] or []):
                 p.kill()
+
+
+# --- printed package source is the package's current source ------------------------------------
+
+_HEADER = re.compile(r"^(\s*)(?:async def|def|class) (\w+)\b")
+
+
+def printed_source_blocks(text: str) -> list[tuple[str, list[str]]]:
+    """(name, lines) of each ``def``/``class`` block in a cell's output: the header and the lines
+    after it that are indented by 4 more, blank, or close a signature (``) -> …:``)."""
+    lines, blocks, i = text.splitlines(), [], 0
+    while i < len(lines):
+        m = _HEADER.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, block = len(m[1]), [lines[i]]
+        i += 1
+        while i < len(lines):
+            line = lines[i]
+            deeper = len(line) - len(line.lstrip()) >= indent + 4  # a body is 4 deeper
+            if line.strip() and not deeper and not line.lstrip().startswith(")"):
+                break
+            block.append(line)
+            i += 1
+        blocks.append((m[2], block))
+    return blocks
+
+
+def _package_lines() -> dict[str, list[list[str]]]:
+    """Each ``def``/``class`` name of the package mapped to the non-blank stripped lines of each of
+    its definitions (header to last line, decorators left out), as ``inspect.getsource`` prints
+    them."""
+    import ast
+
+    defined = {}
+    for path in (ROOT / "mgtutorial").rglob("*.py"):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                body = lines[node.lineno - 1 : node.end_lineno]
+                defined.setdefault(node.name, []).append([x.strip() for x in body if x.strip()])
+    return defined
+
+
+def check_printed_source(nb) -> list[str]:
+    """Every ``def``/``class`` block a cell printed (with ``inspect.getsource``), for a name the
+    package defines, is line for line one of that name's definitions: a changed, added or dropped
+    line shows the notebook was not re-executed after the package changed. Blocks the cell elided
+    (``…``) need only each line they kept to be in the definition."""
+    defined = _package_lines()
+    problems = []
+    for i, cell in enumerate(code_cells(nb)):
+        if "getsource" not in cell.source:
+            continue
+        for name, block in printed_source_blocks(output_text_all(cell)):
+            if name not in defined:
+                continue  # torch's source, or a learner's
+            lines = [line.strip() for line in block if line.strip()]
+            if any("…" in line for line in lines):
+                kept = [line for line in lines if "…" not in line]
+                ok = any(set(kept) <= set(f) for f in defined[name])
+            else:
+                ok = lines in defined[name]
+            if not ok:
+                problems.append(
+                    f"code cell {i} prints {name}, which is not the package's current source "
+                    "(re-execute the notebook)"
+                )
+    return problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_printed_package_source_is_current(path):
+    problems = check_printed_source(nbformat.read(path, as_version=4))
+    assert not problems, f"{path.name}:\n  " + "\n  ".join(problems)
+
+
+def test_printed_source_check_finds_a_stale_line():
+    nb = nbformat.v4.new_notebook()
+    stale = "def build_stage(cfg, stage, num_stages):\n    return whole_model_on_every_rank()\n"
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "print(inspect.getsource(schedules.build_stage))",
+            outputs=[nbformat.v4.new_output("stream", name="stdout", text=stale)],
+        )
+    ]
+    assert check_printed_source(nb)
+    import inspect
+
+    from mgtutorial.pipeline import simulated
+
+    current = inspect.getsource(simulated.box_seconds)
+    nb.cells[0].outputs[0].text = current
+    assert not check_printed_source(nb)  # the package's own source passes
+    nb.cells[0].outputs[0].text = current.replace("    return forward_s, 2 * forward_s\n", "")
+    assert check_printed_source(nb)  # a line the print lacks is caught too
+    assert printed_source_blocks("def f(\n    x,\n) -> int:\n    return x\nafter") == [
+        ("f", ["def f(", "    x,", ") -> int:", "    return x"])
+    ]

@@ -47,11 +47,11 @@ def test_hand_gpipe_equals_library_gpipe_and_1f1b_equals_unsplit(runs, no_leftov
 
 @pytest.mark.timeout(120)
 def test_interleaved_two_stages_per_rank_equals_unsplit(runs, no_leftovers):
-    m = 4
+    m = 3  # torch 2.14's ScheduleInterleaved1F1B does not need m divisible by the ranks
     cfg = schedules.PipelineConfig(
         schedule="interleaved",
         n_microbatches=m,
-        batch_size=32,
+        batch_size=33,
         steps=2,
         sizes=[1024, 512, 256, 128, 100],
         input_grad=True,
@@ -70,6 +70,11 @@ def test_interleaved_two_stages_per_rank_equals_unsplit(runs, no_leftovers):
         for i in range(m):
             assert by[("forward", s, i)]["start"] >= by[("forward", s - 1, i)]["end"]
     assert 0 < bubble.bubble_measured(evs, by="rank") < 1
+    # each rank built and holds only its two stages
+    stages = schedules.initial_mlp(cfg).split(4)
+    for r in range(2):
+        mine = [t for s in (r, r + 2) for t in stages[s].parameters()]
+        assert res.values[r]["parameter_bytes"] == sum(t.numel() * 4 for t in mine)
 
 
 @pytest.mark.timeout(120)
@@ -90,11 +95,11 @@ def test_indivisible_batch_library_refused_before_any_process(runs):
                 runs_dir=runs,
             )
     with pytest.raises(
-        ValueError, match="interleaved needs n_microbatches divisible by the ranks: 3 % 2"
+        ValueError, match=r"interleaved runs n_microbatches=5 in max\(1, m // ranks\) = 2"
     ):
         launch(
             schedules.worker,
-            schedules.PipelineConfig(schedule="interleaved", n_microbatches=3, batch_size=33),
+            schedules.PipelineConfig(schedule="interleaved", n_microbatches=5, batch_size=60),
             2,
             runs_dir=runs,
         )
@@ -364,7 +369,7 @@ def test_naive_split_equals_unsplit_and_runs_one_stage_at_a_time():
 
 
 def test_split_checker_refuses_each_wrong_split_with_its_hint():
-    # exercises 04.3 and 06b.3 share this check; the solution passes, each mistake has its hint
+    # exercise 04b.2's check; the solution passes, each mistake has its hint
     import copy
 
     from torch import nn
@@ -387,3 +392,102 @@ def test_split_checker_refuses_each_wrong_split_with_its_hint():
     for hint, stages in wrong.items():
         with pytest.raises(ExerciseError, match=hint):
             check_split("ex", "f", mlp, stages, 2)
+
+
+def test_build_stage_builds_only_its_stage_with_the_whole_models_weights():
+    cfg = schedules.PipelineConfig(sizes=[32, 16, 8, 4, 2])
+    whole = schedules.initial_mlp(cfg).split(3)
+    for s in range(3):
+        stage = schedules.build_stage(cfg, s, 3)
+        assert all(t.device.type == "cpu" for t in stage.parameters())
+        torch.testing.assert_close(stage.state_dict(), whole[s].state_dict())
+    other = schedules.build_stage(schedules.PipelineConfig(sizes=[32, 16, 8, 4, 2], seed=1), 0, 3)
+    assert max_abs_diff(other.state_dict(), whole[0].state_dict()) > 1e-3  # the seed matters
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_simulated_device_keeps_the_arithmetic_and_the_schedules_order(
+    schedule, runs, no_leftovers
+):
+    """A stage on a simulated device (pipeline.simulated.Busy) trains the unsplit model's
+    parameters, and each stage runs its boxes in the schedule's order (never a duration)."""
+    m = 4
+    cfg = schedules.PipelineConfig(
+        schedule=schedule, n_microbatches=m, batch_size=16, steps=2, sizes=[16] * 5, device_ms=8
+    )
+    run, res = _run(cfg, runs)
+    _assert_equals_unsplit(run, res, cfg)
+    evs = timeline.events(runlog.read_run(run.run_dir), step=2)
+    for s in range(2):
+        mine = [(e["event"], e["microbatch"]) for e in evs if e["stage"] == s]
+        assert mine == _expected_order(schedule, s, 2, m)
+    assert bubble.bubble_measured(evs) == pytest.approx(bubble.bubble_formula(2, m))
+
+
+def test_device_clock_runs_each_box_when_its_lane_is_free_and_its_input_ready():
+    """Two stages' clocks fed the GPipe order of an ideal step give ideal_events' boxes, whatever
+    order the hosts call them in (here stage 1 first for every box it can)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from mgtutorial.pipeline import simulated
+
+    store, m = dist.HashStore(), 4
+    store.set_timeout(datetime.timedelta(seconds=5))
+    clocks = [simulated.DeviceClock(store, 1.0, 2.0, last_stage=1) for _ in range(2)]
+    got = []
+    for event in ("forward", "backward"):
+        for i in range(m):
+            for s in (0, 1) if event == "forward" else (1, 0):
+                start, end = clocks[s].box(event, s, i, step=1)
+                got.append(
+                    {
+                        "event": event,
+                        "stage": s,
+                        "rank": s,
+                        "microbatch": i,
+                        "start": start,
+                        "end": end,
+                    }
+                )
+    want = bubble.ideal_events("gpipe", 2, m, forward_s=1.0, backward_s=2.0)
+    key = lambda e: (e["stage"], e["event"], e["microbatch"])  # noqa: E731
+    assert {key(e): (e["start"], e["end"]) for e in got} == {
+        key(e): (e["start"], e["end"]) for e in want
+    }
+    assert bubble.bubble_measured(got) == pytest.approx(bubble.bubble_formula(2, m))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"])
+def test_zero_bubble_schedules_equal_the_unsplit_model_on_gloo(schedule, runs, no_leftovers):
+    from mgtutorial.pipeline import zero_bubble
+
+    cfg = zero_bubble.ZeroBubbleConfig(schedule=schedule, n_microbatches=4)
+    res = launch(zero_bubble.worker, cfg, 2, runs_dir=runs).wait(timeout=180)
+    assert all(v["max_grad_diff"] < 1e-6 for v in res.values.values())
+    order = res.values[0]["order"]
+    actions = sorted(a for acts in order.values() for a in acts)
+    assert actions == sorted(f"{s}{k}{i}" for s in range(4) for k in "FIW" for i in range(4))
+    evs = zero_bubble.order_events(order, 4)
+    assert bubble.bubble_measured(evs, by="rank") < bubble.bubble_formula(2, 4, 2)
+
+
+def test_order_events_follow_dependencies_and_refuse_a_deadlock():
+    from mgtutorial.pipeline import zero_bubble
+
+    order = {0: ["0F0", "1F0", "1I0", "0I0", "1W0", "0W0"]}  # one rank, two stages
+    evs = zero_bubble.order_events(order, 2)
+    assert [(e["event"], e["stage"], e["start"]) for e in evs][:3] == [
+        ("forward", 0, 0.0),
+        ("forward", 1, 1.0),
+        ("input", 1, 2.0),
+    ]
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        zero_bubble.order_events({0: ["0I0", "0F0"]}, 1)
+    # a whole backward (interleaved 1F1B's B) waits like I and lasts I + W
+    gpipe = {s: [f"{s}F{i}" for i in range(4)] + [f"{s}B{i}" for i in range(4)] for s in (0, 1)}
+    evs = zero_bubble.order_events({r: acts for r, acts in gpipe.items()}, 2)
+    assert bubble.bubble_measured(evs) == pytest.approx(bubble.bubble_formula(2, 4))

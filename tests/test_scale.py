@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,8 +14,8 @@ from mgtutorial import ddp, launch
 from mgtutorial.__main__ import build_parser, main
 from mgtutorial.runtime import runlog
 from mgtutorial.runtime.run import WorkerFailed
-from mgtutorial.scale import elastic, hangs, slurm, torchrun
-from mgtutorial.scale.output import digest
+from mgtutorial.scale import elastic, hangs, restarts, slurm, torchrun
+from mgtutorial.scale.output import agent_times, digest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -356,6 +353,12 @@ def test_digest_keeps_rank_lines_and_agent_messages_without_machine_noise():
         "agent E: failed (exitcode: -9) local_rank: 1 (pid: …)",
         "(2 more lines: tracebacks and C++ stacks)",
     ]
+    info = "I1201 08:38:09.126000 28833 torch/distributed/elastic/agent/server/api.py:715] x\n"
+    assert digest(out + info).splitlines()[-1] == (
+        "(3 more lines: tracebacks and C++ stacks, agent INFO lines)"
+    )
+    ((when, level, message),) = agent_times(info, 2026)
+    assert (level, message) == ("I", "x") and time.localtime(when)[:6] == (2026, 12, 1, 8, 38, 9)
 
 
 JOB = {
@@ -413,79 +416,44 @@ def test_sbatch_gives_each_rank_at_least_one_thread(cpus, gpus, omp):
     assert slurm.torchrun_options(out.stdout)["OMP_NUM_THREADS"] == omp
 
 
-# One rank of an attempt on a store that outlives it, as torchrun's rank-0 agent hosts it (c10d
-# rendezvous, shared TCPStore: MASTER_PORT is the same server for every attempt, and torch's own
-# round prefix ``torch.rendezvous.<run id>.<round>`` applies to the agents' rendezvous store only).
-ATTEMPT = """
-import datetime, os, sys, time, torch, torch.distributed as dist
-from mgtutorial.runtime import env
-if os.environ["RANK"] == "1":
-    time.sleep(float(sys.argv[2]))  # rank 1 comes late: rank 0 reads the store first
-if sys.argv[1] == "env.distributed":  # with its PrefixStore("attempt_<TORCHELASTIC_RESTART_COUNT>")
-    with env.distributed("gloo", timeout_s=6):
-        dist.all_reduce(t := torch.ones(1))
-else:  # the same, on the bare store
-    timeout = datetime.timedelta(seconds=6)
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    dist.all_reduce(t := torch.ones(1))
-    dist.destroy_process_group()
-print("all_reduce", int(t))
-"""
-
-
-def _attempt(how: str, port: int, attempt: int) -> list[int]:
-    env_ = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE="2",
-        TORCHELASTIC_USE_AGENT_STORE="True",
-        TORCHELASTIC_RESTART_COUNT=str(attempt),
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", ATTEMPT, how, "2" if attempt else "0"],
-            env={**env_, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    codes = []
-    for p in procs:
-        try:
-            p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-        codes.append(p.returncode)
-    return codes
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("how", ["env.distributed", "bare store"])
+@pytest.mark.timeout(300)
 @pytest.mark.slow
-def test_restarted_ranks_need_the_per_attempt_prefix(how, no_leftovers):
-    """Why env.distributed wraps the store in a per-attempt PrefixStore. On the bare store,
-    attempt 1 writes and reads under the very key names attempt 0 left behind (the key count does
-    not grow): a rank can read a dead rank's gloo address before the new one is written, and then
-    fails (``Gloo connectFullMesh failed ... Connect timeout``, about every other run here,
-    depending on which side of the pair connects). Under the prefix each attempt has keys of its
-    own and works."""
+def test_restarted_ranks_agree_on_the_round_when_restart_counts_differ(no_leftovers):
+    """Why env.distributed prefixes the store with a round the ranks agree on
+    (runtime.rounds.agree_on_round). Two starts on one store, as under torchrun's node-0 agent;
+    in the second, node A's rank restarts with TORCHELASTIC_RESTART_COUNT 0 (a membership change
+    does not count) and node B's with 1. On the bare store the second start adds no key (it reads
+    and writes the first start's: a rank can read a dead rank's address); with a prefix per restart
+    count the two ranks look for each other under different keys and never meet; with the agreed
+    round they form the group, on keys of their own."""
+    out = restarts.simulate(["bare store", "restart count", "round"], counts=(0, 1), timeout_s=6)
+    for how in out:
+        assert out[how]["exit codes"][0] == [0, 0], (how, out[how])  # a first start works
+    assert out["bare store"]["new keys"] == 0
+    assert out["restart count"]["exit codes"][1] != [0, 0]
+    assert out["round"]["exit codes"][1] == [0, 0] and out["round"]["new keys"] > 0
+
+
+def test_agree_on_round_ignores_a_dead_start_s_keys():
+    """Rank 0 answers whatever ticket rank 1 last posted, but waits for an acknowledgement that
+    holds its own round: a ticket and an acknowledgement left by an earlier start do not count."""
+    import datetime
+    import threading
+
     import torch.distributed as dist
 
-    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    assert _attempt(how, server.port, 0) == [0, 0]  # the first attempt works either way
-    first = server.num_keys()
-    again = _attempt(how, server.port, 1)
-    if how == "env.distributed":
-        assert again == [0, 0] and server.num_keys() > first  # keys of its own
-    else:
-        assert server.num_keys() == first  # nothing new: attempt 1 used attempt 0's keys
+    from mgtutorial.runtime.rounds import KEY, agree_on_round
+
+    store, timeout = dist.HashStore(), datetime.timedelta(seconds=10)
+    store.add(f"{KEY}/tickets", 7)  # seven tickets of earlier starts
+    store.set(f"{KEY}/rank1", "6")  # a dead rank 1's ticket, answered and acknowledged
+    store.set(f"{KEY}/ack/6", "5")
+    got = {}
+    zero = threading.Thread(target=lambda: got.update({0: agree_on_round(store, 0, 2, timeout)}))
+    zero.start()
+    got[1] = agree_on_round(store, 1, 2, timeout)
+    zero.join(timeout=20)
+    assert got[0] == got[1] and got[0] in (8, 9)  # rank 0's ticket, after the seven
 
 
 def test_agent_env_sets_one_omp_thread_only_when_unset(monkeypatch):

@@ -6,7 +6,7 @@ A choice is typed ``Literal[...]``: :func:`choices` reads the allowed values fro
 (``typing.get_args``), for :meth:`Config.validate` and for the command line's ``choices``.
 
 Used by the config dataclasses of every chapter (``DDPConfig.validate`` in notebooks/02_ddp.ipynb,
-``PipelineConfig`` in notebooks/04_model_parallel.ipynb, …) and so by the command line.
+``PipelineConfig`` in notebooks/04a_pipeline_gpipe.ipynb, …) and so by the command line.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The two networks of the article the course started from, fixed, plus stage splitting.
 
 Taught in notebooks/01_single_device.ipynb (the CNN and its flatten size) and
-notebooks/04_model_parallel.ipynb (the MLP of sub-networks split into pipeline stages).
+notebooks/04a_pipeline_gpipe.ipynb (the MLP of sub-networks split into pipeline stages).
 Follows https://pytorch.org/docs/stable/generated/torch.nn.Conv2d.html (output size formula).
 """
 

@@ -1,4 +1,5 @@
-"""Checkers of chapter 04's exercises (notebooks/04_model_parallel.ipynb): the bubble formula, the
+"""Checkers of chapter 04's exercises (notebooks/04a_pipeline_gpipe.ipynb: 04a.1, 04a.2;
+notebooks/04b_pipeline_schedules.ipynb: 04b.1, 04b.2): the bubble formula, the
 peak activation bytes of each stage under GPipe and 1F1B, a balanced split of the MLP into
 stages, and the weighting of micro-batch losses."""
 
@@ -22,16 +23,16 @@ from mgtutorial.exercises._common import (
 )
 from mgtutorial.exercises.splits import check_split
 from mgtutorial.pipeline import schedules
-from mgtutorial.pipeline.bubble import bubble_formula, bubble_measured, ideal_events
+from mgtutorial.pipeline.bubble import bubble_formula, bubble_measured, ideal_events, step_span
 
 
 def bubble(predicted: dict, smallest_m) -> None:
-    """04.1: ``predicted[(p, m, v)]`` is the ideal bubble fraction (a float) for p ranks, m
+    """04a.1: ``predicted[(p, m, v)]`` is the ideal bubble fraction (a float) for p ranks, m
     micro-batches and v stages per rank, for (4, 8, 1), (4, 8, 2) and (8, 16, 1); ``smallest_m``
     (an int) is the smallest m whose ideal bubble at p = 4, v = 1 is at most 10 %. Verified against
     :func:`mgtutorial.pipeline.bubble.bubble_formula` and, for v = 1, against GPipe and 1F1B steps
     whose boxes have no cost between them (:func:`~mgtutorial.pipeline.bubble.ideal_events`)."""
-    ex = "04.1 bubble formula"
+    ex = "04a.1 bubble formula"
     for p, m, v in ((4, 8, 1), (4, 8, 2), (8, 16, 1)):
         guess = answered(predicted.get((p, m, v)), ex, f"predicted[{(p, m, v)}]")
         truth = bubble_formula(p, m, stages_per_rank=v)
@@ -47,11 +48,14 @@ def bubble(predicted: dict, smallest_m) -> None:
         require(
             close(guess, truth, rel=1e-3, abs_=1e-3),
             ex,
-            f"for p={p}, m={m}, v={v} the idle fraction is {truth:.3f}, you predicted {guess!r}: "
+            f"for p={p}, m={m}, v={v} you predicted {guess!r}, which is not the ideal idle "
+            "fraction: "
             + (
-                "the pipeline fills and drains in p − 1 slots out of m + p − 1"
+                "the bubble asked for is a fraction of the whole step (idle over idle + busy), "
+                "not of the compute time; count the slots a stage idles while the pipeline fills "
+                "and drains"
                 if v == 1
-                else "with v stages per rank a slot is v times shorter: (p − 1) / (v·m + p − 1)"
+                else "with v stages per rank, how long is a slot of the fill and the drain?"
             ),
         )
     m = answered(smallest_m, ex, "smallest_m")
@@ -63,14 +67,12 @@ def bubble(predicted: dict, smallest_m) -> None:
     require(
         bubble_formula(4, m) <= 0.10,
         ex,
-        f"at p=4, m={m} the bubble is {bubble_formula(4, m):.3f}, "
-        "above 0.10: solve (p − 1) / (m + p − 1) ≤ 0.1 for m",
+        f"at p=4 and m={m} the bubble is still above 10 %: more micro-batches are needed",
     )
     require(
         m == 1 or bubble_formula(4, m - 1) > 0.10,
         ex,
-        f"m={m - 1} already gives {bubble_formula(4, m - 1):.3f} ≤ 0.10: "
-        "the smallest such m is asked for",
+        f"m={m} keeps the bubble within 10 %, but so does a smaller m: the smallest is asked for",
     )
     passed(
         ex,
@@ -90,24 +92,21 @@ def _stage_bytes(cfg: schedules.PipelineConfig, stage: int) -> tuple[int, int]:
     return cfg.batch_size * 8, rows * 3 * w * 4 + 4
 
 
-def _micro_batches(n: int) -> str:
-    return f"{n} micro-batch" + ("" if n == 1 else "es")
-
-
 def peak_bytes(predicted: dict) -> None:
-    """04.2: ``predicted[(schedule, stage)]`` (an int) is the peak activation bytes of stage 0 or
+    """04b.1: ``predicted[(schedule, stage)]`` (an int) is the peak activation bytes of stage 0 or
     1, schedule "gpipe" or "1f1b", for 2 ranks, ``sizes=[128] * 5``, batch 64, m = 8 (float32
     activations).
 
     Runs both schedules on 2 ranks (one step) and compares with each stage's measured peak
     (``ActivationMeter``, each storage counted once); a wrong guess is explained by the parts of
-    section 5 (held once, per micro-batch, micro-batches held).
+    04b section 3 (held once, per micro-batch, micro-batches held).
     """
-    ex = "04.2 peak activation bytes"
+    ex = "04b.1 peak activation bytes"
     guesses = {
         key: answered(predicted.get(key), ex, f"predicted[{key!r}]")
         for key in itertools.product(("gpipe", "1f1b"), (0, 1))
     }
+    peaks, parts = {}, {}
     for schedule in ("gpipe", "1f1b"):
         cfg = schedules.PipelineConfig(
             schedule=schedule,
@@ -118,33 +117,42 @@ def peak_bytes(predicted: dict) -> None:
             save_params=False,
         )
         run = run_ranks(ex, schedules.worker, cfg, 2, name=f"peak-{schedule}", threads_per_rank=1)
-        values = run.values
-        for s, value in sorted(values.items()):
-            peak, (fixed, per_mb) = value["peak_activation_bytes"], _stage_bytes(cfg, s)
-            held, rest = divmod(peak - fixed, per_mb)
+        for s, value in sorted(run.values.items()):
+            peaks[schedule, s], parts[s] = value["peak_activation_bytes"], _stage_bytes(cfg, s)
+            fixed, per_mb = parts[s]
             require(
-                rest == 0,
+                (peaks[schedule, s] - fixed) % per_mb == 0,
                 ex,
-                f"stage {s} measured {peak} bytes, not {fixed} + k·{per_mb}: the chapter's "
-                "model or ActivationMeter changed; rerun section 5",
+                f"stage {s} measured {peaks[schedule, s]} bytes, not {fixed} + k·{per_mb}: the "
+                "chapter's model or ActivationMeter changed; rerun section 3",
             )
+    for s in (0, 1):
+        fixed, per_mb = parts[s]
+        once = "the input batch" if s == 0 else "the int64 targets"
+        for schedule in ("gpipe", "1f1b"):
             guess = guesses[schedule, s]
-            if guess == peak:
+            if guess == peaks[schedule, s]:
                 continue
-            once = "the input batch" if s == 0 else "the int64 targets"
-            why = (
-                f"it is {fixed} held once ({once}) + {_micro_batches(held)} of {per_mb} bytes "
-                "each: check each part against section 5's breakdown for width 1024"
+            # GPipe and 1F1B hold the same bytes once and differ only in micro-batches held
+            both_off = guesses["gpipe", s] - guesses["1f1b", s] == (
+                peaks["gpipe", s] - peaks["1f1b", s]
             )
+            if both_off:
+                part = f"the bytes held once ({once}), which both schedules hold"
+            elif (guess - fixed) % per_mb == 0:
+                part = "the number of micro-batches held at the peak"
+            else:
+                part = "the bytes each micro-batch keeps (every tensor saved, its dtype)"
             raise ExerciseError(
                 ex,
-                f"under {schedule} stage {s} peaks at {peak} bytes, you predicted {guess!r}; {why}",
+                f"under {schedule} stage {s} your {guess!r} is not the measured peak; check "
+                f"{part} against 04b's breakdown for width 1024",
             )
     passed(ex, "GPipe peaks at 98304 and 98848 bytes, 1F1B at 49152 and 12804 (stages 0 and 1)")
 
 
 def balanced_split(split_fn) -> None:
-    """04.3: ``split_fn(mlp, k)`` returns ``k`` modules, the consecutive sub-networks of ``mlp``
+    """04b.2: ``split_fn(mlp, k)`` returns ``k`` modules, the consecutive sub-networks of ``mlp``
     (an :class:`~mgtutorial.common.models.ArticleMLP`) with the largest stage's parameter count as
     small as possible.
 
@@ -154,7 +162,7 @@ def balanced_split(split_fn) -> None:
     model's, whose forward one after the other equals the unsplit model's, and whose largest stage
     is the smallest possible (:func:`~mgtutorial.exercises.splits.check_split`).
     """
-    ex = "04.3 balanced split"
+    ex = "04b.2 balanced split"
     for sizes, k in (
         ((1024, 512, 256, 100), 2),
         ((1024, 512, 256, 100), 3),
@@ -171,7 +179,7 @@ def balanced_split(split_fn) -> None:
 
 
 def loss_weighting(accumulate) -> None:
-    """04.4: ``accumulate(model, x, y, m)`` cuts ``(x, y)`` into ``m`` micro-batches
+    """04a.2: ``accumulate(model, x, y, m)`` cuts ``(x, y)`` into ``m`` micro-batches
     (``torch.tensor_split``), runs forward and backward on each, and leaves in ``.grad`` the
     gradient of the full batch's mean cross-entropy.
 
@@ -180,7 +188,7 @@ def loss_weighting(accumulate) -> None:
     ``scale_grads`` does) give the wrong gradient, and with batch 32 in m = 4 (8 each), where they
     are right.
     """
-    ex = "04.4 loss weighting"
+    ex = "04a.2 loss weighting"
     for batch, m in ((33, 4), (32, 3), (32, 4)):
         g = torch.Generator().manual_seed(batch + m)
         x, y = torch.randn(batch, 16, generator=g), torch.randint(0, 10, (batch,), generator=g)
@@ -223,3 +231,43 @@ def loss_weighting(accumulate) -> None:
             f"full batch's by up to {max_abs_diff(got, want):.1e}: {hint}",
         )
     passed(ex, "batch 33 in 4, 32 in 3 and 32 in 4 micro-batches give the full batch's gradient")
+
+
+CHOOSE_CASES = (  # (p, F, B, o, batch): one stage's whole-batch forward, backward; delay per box
+    (2, 0.240, 0.480, 0.0, 64),
+    (2, 0.240, 0.480, 0.002, 64),
+    (4, 0.100, 0.200, 0.005, 48),
+    (2, 0.020, 0.040, 0.003, 512),
+)
+
+
+def choose_m(best_m) -> None:
+    """04b.3: ``best_m(p, F, B, o, batch)`` returns the micro-batch count m (a divisor of
+    ``batch``, as the library needs) whose step is shortest, for a stage whose whole-batch forward
+    and backward take F and B seconds (so F/m and B/m per box) and a delay of o seconds before
+    each box on the critical path (the decomposition of 04z:
+    :func:`~mgtutorial.pipeline.bubble.step_span`). Verified against every divisor."""
+    ex = "04b.3 choosing m"
+    for p, f, b, o, batch in CHOOSE_CASES:
+        m = attempt(ex, best_m, p, f, b, o, batch)
+        require(
+            isinstance(m, int) and m >= 1 and batch % m == 0,
+            ex,
+            f"best_m(p={p}, F={f}, B={b}, o={o}, batch={batch}) returned {m!r}: give a divisor "
+            "of the batch (an int)",
+        )
+        span = {d: step_span(p, d, f / d, b / d, o) for d in range(1, batch + 1) if batch % d == 0}
+        best = min(span.values())
+        if span[m] <= best * (1 + 1e-9):
+            continue
+        why = (
+            "with o = 0 the step only shrinks as m grows"
+            if o == 0
+            else "the delays grow with m while the fill and drain shrink: where do the two balance?"
+        )
+        raise ExerciseError(
+            ex,
+            f"for p={p}, F={f} s, B={b} s, o={o} s, batch {batch}, another divisor of the batch "
+            f"gives a shorter step than m={m}: {why}",
+        )
+    passed(ex, f"{len(CHOOSE_CASES)} cases: each m gives the shortest step of all the divisors")

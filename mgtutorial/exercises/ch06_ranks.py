@@ -3,7 +3,7 @@ notebooks/06b_article_model_parallel.ipynb): each worker is one of the article's
 :mod:`mgtutorial.article` re-creates it, with the learner's function where the flaw was.
 
 :mod:`mgtutorial.exercises.ch06a` and :mod:`mgtutorial.exercises.ch06b` launch them (06a.3,
-06a.4, 06b.1, 06b.4) and read what they logged (``runlog``) or returned. Each loads the learner's
+06a.4, 06b.1, 06b.3) and read what they logged (``runlog``) or returned. Each loads the learner's
 file in the rank with :func:`~mgtutorial.exercises._common.function_from`.
 """
 
@@ -119,7 +119,7 @@ def sync_worker(cfg: SyncConfig) -> dict:
         return {"rank": ctx.rank}
 
 
-# --- 06b.4: the world a process group is told, on two nodes --------------------------------------
+# --- 06b.3: the world a process group is told, on two nodes --------------------------------------
 
 
 @dataclass(kw_only=True)

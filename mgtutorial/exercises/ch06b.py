@@ -2,7 +2,7 @@
 article's copies together, the bytes ``retain_graph=True`` keeps alive, stages whose parameters add
 up to one model, and the world size a process group is told.
 
-The rank-side checkers (06b.1, 06b.4) run the learner's file in the workers of
+The rank-side checkers (06b.1, 06b.3) run the learner's file in the workers of
 :mod:`mgtutorial.exercises.ch06_ranks` and read what the ranks logged or returned.
 """
 
@@ -21,14 +21,12 @@ from mgtutorial.exercises._common import (
     ExerciseError,
     RankFailed,
     answered,
-    attempt,
     close,
     function_from,
     passed,
     require,
     run_ranks,
 )
-from mgtutorial.exercises.splits import check_split
 from mgtutorial.pipeline.activations import ActivationMeter
 from mgtutorial.runtime import runlog
 
@@ -129,7 +127,6 @@ def retained_bytes(predicted: dict) -> None:
         f"`predicted` is a {type(predicted).__name__}, not a dict: make it a dict "
         "{1: bytes, 256: bytes}, batch size → number of bytes",
     )
-    floats = " + ".join(map(str, SIZES))
     for b in (1, 256):
         guess = answered(predicted.get(b), ex, f"predicted[{b}]")
         whole = isinstance(guess, float) and guess.is_integer()
@@ -143,10 +140,10 @@ def retained_bytes(predicted: dict) -> None:
         require(
             guess == got,
             ex,
-            f"at batch {b} the meter measures {got:,} bytes alive after the step, you predicted "
-            f"{guess:,}: count B × ({floats}) float32 values (each layer's input and the "
-            "log-softmax of the logits, 4 bytes each), B int64 targets (8 bytes) and the loss's "
-            "4-byte scalar",
+            f"at batch {b} your {guess:,} bytes is not what the meter measures after the step "
+            f"({'too many' if guess > got else 'too few'}): redo section 2.3's breakdown for "
+            "this MLP's widths, tensor by tensor (what each layer saves, the loss's own tensors, "
+            "their dtypes)",
         )
     require(alive_after_step(False, 256) == 0, ex, "a plain backward() left activations alive")
     passed(
@@ -156,45 +153,22 @@ def retained_bytes(predicted: dict) -> None:
     )
 
 
-# --- 06b.3: stages that add up to one model ------------------------------------------------------
-
-
-def stage_split(split_stages) -> None:
-    """06b.3: ``split_stages(model, num_stages)`` returns ``num_stages`` modules (the stages) of an
-    ``ArticleMLP``, applied in order.
-
-    Verified for 1, 2, 3 stages: every parameter of the model in exactly one stage (the stages'
-    counts add up to the model's), stage by stage the same output as the model, and the largest
-    stage as small as a split into consecutive sub-networks allows
-    (:func:`~mgtutorial.exercises.splits.check_split`, as in exercise 04.3).
-    """
-    ex = "06b.3 stages"
-    whole_model = "every stage is the whole model (the article's flaw 2.1)"
-    for n in (1, 2, 3):
-        model = ArticleMLP()
-        stages = attempt(ex, split_stages, model, n)
-        check_split(ex, f"split_stages(model, {n})", model, stages, n, whole_model)
-    passed(
-        ex,
-        "1, 2 and 3 stages hold every parameter once, compute the model's output, and the "
-        "largest stage is as small as it can be",
-    )
-
-
-# --- 06b.4: the world a process group is told, on two nodes --------------------------------------
+# --- 06b.3: the world a process group is told, on two nodes --------------------------------------
 
 
 def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -> None:
-    """06b.4: ``join(part)`` in ``path`` returns ``{"world_size", "rank", "stage"}`` for the process
-    started for sub-network ``part`` (0 … subnets − 1) on its node.
+    """06b.3: ``join(part)`` in ``path`` returns ``{"world_size", "rank", "stage", "same_stage"}``
+    for the process started for sub-network ``part`` (0 … subnets − 1) on its node; ``same_stage``
+    lists the ranks whose gradients for that stage must be averaged (the two nodes are two
+    pipeline replicas).
 
     Runs ``nodes × subnets`` processes (2 simulated nodes × 3, a 3 s timeout), each joining a gloo
     group with the world size and rank it returns
     (:func:`~mgtutorial.exercises.ch06_ranks.world_worker`); verified from the logged claims and
     the ranks' return values: the world is the 6 processes, each rank is the one the process was
-    started as, and each runs stage rank % subnets.
+    started as, each runs stage rank % subnets, and names every rank of that stage as its peers.
     """
-    ex = "06b.4 world size"
+    ex = "06b.3 world size"
     function_from(path, "join", ex)  # a missing file or a syntax error, before any rank starts
     nprocs = nodes * subnets
     cfg = ch06_ranks.WorldConfig(path=str(Path(path).resolve()), subnets=subnets)
@@ -252,9 +226,19 @@ def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -
             "sub-networks: node 1 runs the same three as node 0, so stage = rank % subnets, a "
             "separate number from the rank",
         )
+        peers = [r for r in range(nprocs) if r % subnets == rank % subnets]
+        require(
+            sorted(v.get("same_stage") or []) == peers,
+            ex,
+            f"rank {rank} returned same_stage={v.get('same_stage')!r}: the two nodes run the same "
+            "stages, so they are two pipelines of one model, and each stage's gradients must be "
+            "averaged over every rank that runs that stage (all of them, itself included), or the "
+            "replicas drift apart as in 2.1",
+        )
     stages = ", ".join(str(v["stage"]) for _, v in sorted(values.items()))
     passed(
         ex,
         f"{nprocs} processes on {nodes} simulated nodes joined a world of {nprocs} as ranks 0 … "
-        f"{nprocs - 1}, running stages {stages}",
+        f"{nprocs - 1}, running stages {stages}, each naming the ranks whose gradients for its "
+        "stage must be averaged",
     )

@@ -1,6 +1,5 @@
-"""Checks of a model split into pipeline stages, shared by exercise 04.3 (a balanced split,
-notebooks/04_model_parallel.ipynb) and exercise 06b.3 (stages that add up to one model,
-notebooks/06b_article_model_parallel.ipynb). The model is an
+"""Checks of a model split into pipeline stages, used by exercise 04b.2 (a balanced split,
+notebooks/04b_pipeline_schedules.ipynb). The model is an
 :class:`~mgtutorial.common.models.ArticleMLP`, its blocks ``model.subnets``.
 """
 

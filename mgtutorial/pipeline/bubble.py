@@ -2,8 +2,10 @@
 measured on a real step's boxes, with a model of the delay between boxes that the formula leaves
 out.
 
-Taught in notebooks/04_model_parallel.ipynb (section 4: the measured bubble against
-(p − 1)/(m + p − 1) and against the model) and checked by its exercise 04.1. The formula is GPipe's
+Taught in notebooks/04a_pipeline_gpipe.ipynb (section 4: the measured bubble against
+(p − 1)/(m + p − 1), on the simulated device and the CPU; exercise 04a.1),
+notebooks/04b_pipeline_schedules.ipynb (1F1B, interleaved) and notebooks/04z_appendix_delays.ipynb
+(the model with the delay between boxes). The formula is GPipe's
 (Huang et al., 2019) and interleaved 1F1B's (Narayanan et al., 2021); the events are those a
 :class:`mgtutorial.pipeline.timeline.Timeline` logs (``event``, ``stage``, ``rank``,
 ``microbatch``, ``start``, ``end``), or those :func:`ideal_events` draws. Pure arithmetic: no
@@ -36,8 +38,24 @@ def bubble_model(
     many backwards, so the span is (v·m + p − 1)·(f + b + 2·o) − o, and the idle fraction
     1 − v·m·(f + b) / ((v·m + p − 1)·(f + b + 2·o) − o); seconds, f and b one box of one stage.
     With o = 0 it is :func:`bubble_formula`."""
-    p, vm, work = num_stages, stages_per_rank * n_microbatches, forward_s + backward_s
-    return 1 - vm * work / ((vm + p - 1) * (work + 2 * delay_s) - delay_s)
+    vm, work = stages_per_rank * n_microbatches, forward_s + backward_s
+    span = step_span(num_stages, n_microbatches, forward_s, backward_s, delay_s, stages_per_rank)
+    return 1 - vm * work / span
+
+
+def step_span(
+    num_stages: int,
+    n_microbatches: int,
+    forward_s: float,
+    backward_s: float,
+    delay_s: float = 0.0,
+    stages_per_rank: int = 1,
+) -> float:
+    """Seconds from a step's first box to its last, when every box on the critical path but the
+    first starts ``delay_s`` late: (v·m + p − 1)·(f + b + 2·o) − o, with f, b one box of one
+    stage (:func:`bubble_model`)."""
+    vm, work = stages_per_rank * n_microbatches, forward_s + backward_s
+    return (vm + num_stages - 1) * (work + 2 * delay_s) - delay_s
 
 
 def box_order(

@@ -1,7 +1,7 @@
 """Model parallelism without a pipeline: the naive split of one model over two devices, in one
 process, one stage busy at a time.
 
-Taught in notebooks/04_model_parallel.ipynb (section 1) and shown again in
+Taught in notebooks/04a_pipeline_gpipe.ipynb (section 1) and shown again in
 notebooks/06b_article_model_parallel.ipynb (what the article's sample should have been). Follows
 https://pytorch.org/tutorials/intermediate/model_parallel_tutorial.html. The article's own "model
 parallel" sample (N unsynchronised copies) is :mod:`mgtutorial.article.model_parallel_flaws`.
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mgtutorial.common import models
-from mgtutorial.pipeline.schedules import PipelineConfig, batches
+from mgtutorial.pipeline.schedules import PipelineConfig, batches, initial_mlp
 from mgtutorial.pipeline.timeline import Timeline
 from mgtutorial.runtime import env, runlog
 
@@ -52,8 +52,7 @@ def train_naive(
     ``devices``: one per stage (default :func:`naive_devices`). Events are the same records
     :class:`~mgtutorial.pipeline.timeline.Timeline` logs (forward/backward per stage), in memory.
     """
-    env.seed_everything(cfg.seed)
-    model = NaiveModelParallel(models.ArticleMLP(tuple(cfg.sizes)), devices or naive_devices())
+    model = NaiveModelParallel(initial_mlp(cfg), devices or naive_devices())
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
 
     memory = runlog.MemoryLog()

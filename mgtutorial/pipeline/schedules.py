@@ -2,7 +2,7 @@
 interleaved 1F1B (``ScheduleInterleaved1F1B``, two stages per rank) and GPipe by hand
 (:mod:`mgtutorial.pipeline.hand_gpipe`), run by one worker.
 
-Taught in notebooks/04_model_parallel.ipynb. Follows
+Taught in notebooks/04a_pipeline_gpipe.ipynb and notebooks/04b_pipeline_schedules.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.pipelining.html and the GPipe (Huang et al., 2019) and
 1F1B (PipeDream-Flush, Narayanan et al., 2021) schedules, and its interleaved variant (same paper).
 The boxes each stage logs are in :mod:`mgtutorial.pipeline.timeline`, the bubble they leave in
@@ -19,17 +19,20 @@ s−1 with point-to-point send/recv. From the shell::
 
 from __future__ import annotations
 
+import datetime
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mgtutorial.common import models
 from mgtutorial.common.config import Config, at_least, check_timeout, positive, rank_or_none
 from mgtutorial.common.finite import check_loss
-from mgtutorial.pipeline import hand_gpipe, timeline
+from mgtutorial.pipeline import hand_gpipe, library, simulated, timeline
 from mgtutorial.pipeline.activations import ActivationMeter
 from mgtutorial.pipeline.mlp_data import batches, check_data_fits, mlp_data
 from mgtutorial.runtime import env, runlog
@@ -59,8 +62,8 @@ class PipelineConfig(Config):
     sizes: list[int] = field(default_factory=lambda: [1024, 512, 256, 100])
     """Layer widths of the MLP (the article's by default); one sub-network per consecutive pair."""
     seed: int = 0
-    """Seed of the initial weights (the whole model is built, then split: every split starts
-    equal)."""
+    """Seed of the initial weights; each sub-network has its own (:func:`init_subnets`), so
+    every split starts from the same weights while each rank builds only its stage."""
     backend: env.BackendChoice = "auto"
     """The process group's backend; "auto": NCCL with a GPU per rank, else gloo."""
     timeout_s: float = 60.0
@@ -69,6 +72,10 @@ class PipelineConfig(Config):
     """Each stage writes its final parameters to ``<run dir>/stage<s>.pt``."""
     fail_stage: int = -1
     """Fault injection: this stage raises at step 2 (−1: never)."""
+    device_ms: float = 0.0
+    """A simulated device (:mod:`mgtutorial.pipeline.simulated`): the timeline's boxes are the
+    device's, on which the whole model's forward of one batch lasts this many milliseconds (its
+    backward twice), shared evenly by the stages and micro-batches; 0: the host's clock."""
     input_grad: bool = False
     """Stage 0 also computes the gradient of its input (work nobody needs), so that in an MLP of
     equal layers every stage's backward does the same work (chapter 04's bubble measurement)."""
@@ -81,6 +88,7 @@ class PipelineConfig(Config):
         at_least(self, 1, "steps", "batch_size")
         positive(self, "lr")
         check_timeout(self)
+        at_least(self, 0, "device_ms")
         if len(self.sizes) < 2 or any(not isinstance(w, int) or w < 1 for w in self.sizes):
             raise ValueError(
                 f"sizes={self.sizes!r}: give at least two layer widths, each a positive integer."
@@ -100,9 +108,11 @@ class PipelineConfig(Config):
             )
         if self.schedule == "1f1b" and m < nprocs:
             raise ValueError(f"1F1B needs n_microbatches ≥ stages: {m} < {nprocs}.")
-        if self.schedule == "interleaved" and m % nprocs:
+        rounds = max(1, m // nprocs)  # ScheduleInterleaved1F1B's own rule (torch 2.14)
+        if self.schedule == "interleaved" and m % rounds:
             raise ValueError(
-                f"interleaved needs n_microbatches divisible by the ranks: {m} % {nprocs}."
+                f"interleaved runs n_microbatches={m} in max(1, m // ranks) = {rounds} rounds, "
+                f"which must divide m: use a multiple of {rounds}, or m ≤ {nprocs}."
             )
         stages = nprocs * stages_per_rank(self)
         if stages > len(self.sizes) - 1:
@@ -120,11 +130,34 @@ def stages_per_rank(cfg: PipelineConfig) -> int:
     return 2 if cfg.schedule == "interleaved" else 1
 
 
-def build_stage(cfg: PipelineConfig, stage: int, num_stages: int) -> nn.Module:
-    """The seeded whole MLP, split into ``num_stages``; returns stage ``stage`` (it shares no
-    memory with the other stages once they live in other processes)."""
-    env.seed_everything(cfg.seed)
-    return models.ArticleMLP(tuple(cfg.sizes)).split(num_stages)[stage]
+def init_subnets(subnets, indices, seed: int) -> None:
+    """Initialise each sub-network from a seed of its own, ``seed`` + 1000 × its index in the whole
+    MLP: whoever builds a sub-network, alone or in the whole model, gets the same weights."""
+    for i, sub in zip(indices, subnets):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1000 * i)
+            sub.linear.reset_parameters()
+
+
+def initial_mlp(cfg: PipelineConfig) -> models.ArticleMLP:
+    """The whole MLP with the weights every split of it starts from (:func:`init_subnets`)."""
+    mlp = models.ArticleMLP(tuple(cfg.sizes))
+    init_subnets(mlp.subnets, range(len(mlp.subnets)), cfg.seed)
+    return mlp
+
+
+def build_stage(cfg: PipelineConfig, stage: int, num_stages: int) -> nn.Sequential:
+    """Stage ``stage`` of ``num_stages`` and nothing else, on the CPU: the whole MLP is only
+    described, on the meta device (shapes, no memory); the cut is made there, and only this stage's
+    sub-networks get memory (``to_empty``) and weights (:func:`init_subnets`), as in
+    https://pytorch.org/tutorials/intermediate/pipelining_tutorial.html."""
+    with torch.device("meta"):
+        whole = models.ArticleMLP(tuple(cfg.sizes))
+    mine = whole.split(num_stages)[stage]
+    indices = [i for i, sub in enumerate(whole.subnets) if any(sub is m for m in mine)]
+    mine = mine.to_empty(device="cpu")
+    init_subnets(mine, indices, cfg.seed)
+    return mine
 
 
 def unsplit_reference(cfg: PipelineConfig) -> tuple[nn.Module, list[float]]:
@@ -132,8 +165,7 @@ def unsplit_reference(cfg: PipelineConfig) -> tuple[nn.Module, list[float]]:
 
     Returns (model, loss per step).
     """
-    env.seed_everything(cfg.seed)
-    model = models.ArticleMLP(tuple(cfg.sizes))
+    model = initial_mlp(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     losses = []
     for x, y in batches(cfg):
@@ -145,39 +177,19 @@ def unsplit_reference(cfg: PipelineConfig) -> tuple[nn.Module, list[float]]:
     return model, losses
 
 
-def _library_schedule(cfg: PipelineConfig, modules: list[nn.Module], ctx: env.DistContext):
-    """The torch.distributed.pipelining schedule over this rank's stage modules."""
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
+def simulated_device(cfg: PipelineConfig, ctx: env.DistContext, num_stages: int):
+    """This rank's :class:`~mgtutorial.pipeline.simulated.DeviceClock`, its box times from
+    ``cfg.device_ms``, sharing the job's store (a client of the ``MASTER_ADDR:MASTER_PORT`` store
+    the ranks met at) under the prefix ``simulated_device``."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
     )
-
-    p, v = ctx.world_size, len(modules)
-    stages = [
-        PipelineStage(mod, ctx.rank + i * p, v * p, ctx.device) for i, mod in enumerate(modules)
-    ]
-    if cfg.schedule == "interleaved":
-        return ScheduleInterleaved1F1B(
-            stages, cfg.n_microbatches, loss_fn=nn.functional.cross_entropy
-        )
-    cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
-    return cls(stages[0], cfg.n_microbatches, loss_fn=nn.functional.cross_entropy)
-
-
-def _library_step(schedule, x, y, cfg: PipelineConfig, ctx: env.DistContext) -> float | None:
-    """``schedule.step``: the inputs on rank 0 (first stage), the targets on the last rank."""
-    s, p = ctx.rank, ctx.world_size
-    if s == 0:
-        x = x.to(ctx.device).requires_grad_(cfg.input_grad)
-    args = (x,) if s == 0 else ()
-    if s != p - 1:
-        schedule.step(*args)
-        return None
-    mb_losses = []
-    schedule.step(*args, target=y.to(ctx.device), losses=mb_losses)
-    return float(torch.stack(mb_losses).mean())
+    forward_s, backward_s = simulated.box_seconds(cfg.device_ms, num_stages, cfg.n_microbatches)
+    prefixed = dist.PrefixStore("simulated_device", store)
+    return simulated.DeviceClock(prefixed, forward_s, backward_s, num_stages - 1)
 
 
 def worker(cfg: PipelineConfig) -> dict:
@@ -186,9 +198,9 @@ def worker(cfg: PipelineConfig) -> dict:
 
     Logs per step ``kind="train"`` (last stage: loss) and the :class:`~timeline.Timeline` events;
     writes each stage's parameters to ``<run dir>/stage<s>.pt``. Returns {"stage", "losses",
-    "peak_activation_bytes", "step_times_s", "step_cpu_s", "step_wait_s"}: per step its wall time,
-    the main thread's CPU time and its time waiting for a core (:func:`timeline.thread_clock`; None
-    off Linux), seconds.
+    "peak_activation_bytes", "step_times_s", "step_cpu_s", "step_wait_s", "parameter_bytes"}: per
+    step its wall time, the main thread's CPU time and its time waiting for a core
+    (:func:`timeline.thread_clock`; None off Linux), seconds; the bytes of this rank's parameters.
 
     Raises:
         ValueError: see :meth:`PipelineConfig.validate` (before any work).
@@ -197,11 +209,16 @@ def worker(cfg: PipelineConfig) -> dict:
         s, p, v = ctx.rank, ctx.world_size, stages_per_rank(cfg)
         cfg.validate(p)
         ids = [s + i * p for i in range(v)]  # the global stages this rank holds
-        modules = [build_stage(cfg, i, v * p).to(ctx.device) for i in ids]
+        modules = [build_stage(cfg, i, v * p).to(ctx.device) for i in ids]  # only those
+        clock = simulated_device(cfg, ctx, v * p) if cfg.device_ms else None
         memory = ActivationMeter(nn.ModuleList(modules))
-        timelines = [timeline.Timeline(mod, i, log, memory) for mod, i in zip(modules, ids)]
+        timelines = [timeline.Timeline(mod, i, log, memory, clock) for mod, i in zip(modules, ids)]
         opt = torch.optim.SGD(nn.ModuleList(modules).parameters(), lr=cfg.lr)
-        schedule = None if cfg.schedule == "hand-gpipe" else _library_schedule(cfg, modules, ctx)
+        schedule = None
+        if cfg.schedule != "hand-gpipe":
+            schedule = library.make_schedule(
+                cfg.schedule, modules, cfg.n_microbatches, s, p, ctx.device
+            )
         for t in timelines:
             # the library runs one extra forward per stage before its first step to infer shapes;
             # it is not part of the schedule, so the timeline leaves it out
@@ -221,7 +238,8 @@ def worker(cfg: PipelineConfig) -> dict:
                         modules[0], x, y, cfg.n_microbatches, ctx, cfg.input_grad
                     )
                 else:
-                    loss = _library_step(schedule, x, y, cfg, ctx)
+                    x = x.to(ctx.device).requires_grad_(cfg.input_grad and s == 0)
+                    loss = library.step(schedule, x, y.to(ctx.device), s, p)
             opt.step()
             times.append(time.time() - t0)
             c1, w1 = timeline.thread_clock()
@@ -244,6 +262,9 @@ def worker(cfg: PipelineConfig) -> dict:
             "step_times_s": times,
             "step_cpu_s": cpu,
             "step_wait_s": wait,
+            "parameter_bytes": sum(
+                t.numel() * t.element_size() for mod in modules for t in mod.parameters()
+            ),
         }
 
 

@@ -1,7 +1,8 @@
 """Pipeline timelines: when each stage computes, recorded as one event per box, and drawn.
 
-Taught in notebooks/04_model_parallel.ipynb (Gantt charts of the naive split, GPipe, 1F1B and
-interleaved 1F1B; activation memory over a step) and used by
+Taught in notebooks/04a_pipeline_gpipe.ipynb and notebooks/04b_pipeline_schedules.ipynb (Gantt
+charts of the naive split, GPipe, 1F1B and interleaved 1F1B; activation memory over a step) and
+used by
 notebooks/06b_article_model_parallel.ipynb (the naive split's order of work). Built on module hooks
 (``register_forward_hook``, https://pytorch.org/docs/stable/generated/torch.nn.Module.html) and
 ``torch.autograd.graph.register_multi_grad_hook``. The bubble computed from these events is in
@@ -45,7 +46,9 @@ class Timeline:
     from forward pre/post hooks; backward from the full-backward pre-hook (its start) and a
     multi-grad hook over the stage's parameters (its end). ``memory`` is the stage's
     :class:`ActivationMeter` (pass ``memory`` to share one between the stages of one rank); events
-    carry its ``live_activation_bytes`` at the box's end.
+    carry its ``live_activation_bytes`` at the box's end. With ``clock``
+    (:class:`~mgtutorial.pipeline.simulated.DeviceClock`) the events' ``start`` and ``end`` are the
+    simulated device's, in device seconds, instead of the host's.
     """
 
     def __init__(
@@ -54,8 +57,9 @@ class Timeline:
         stage: int,
         log: runlog.RunLog,
         memory: ActivationMeter | None = None,
+        clock=None,
     ):
-        self.stage, self.log, self.step = stage, log, 0
+        self.stage, self.log, self.step, self.clock = stage, log, 0, clock
         self.ignore_forwards = 0  # forward passes to leave out (shape inference), see worker()
         self.fwd = self.bwd = 0
         self._t0 = self._b0 = 0.0
@@ -87,10 +91,13 @@ class Timeline:
         self.bwd += 1
 
     def _event(self, name: str, mb: int, start: float) -> None:
+        end = time.time()
+        if self.clock is not None:  # the simulated device's own times
+            start, end = self.clock.box(name, self.stage, mb, self.step)
         self.log.event(
             event=name,
             start=start,
-            end=time.time(),
+            end=end,
             stage=self.stage,
             microbatch=mb,
             step=self.step,
@@ -123,9 +130,19 @@ def memory_curve(evs: list[dict], lane: int, by: str = "stage") -> tuple[list[fl
     return [(e["end"] - t0) * 1e3 for e in mine], [e["live_activation_bytes"] for e in mine]
 
 
+COLORS = {
+    "forward": "tab:blue",
+    "backward": "tab:orange",
+    "input": "tab:orange",
+    "weight": "tab:green",
+}
+LIGHT = {"forward": "lightskyblue", "weight": "lightgreen"}
+
+
 def gantt(evs: list[dict], ax=None, title: str = "", by: str = "stage"):
-    """Draw a Gantt chart of timeline events: one row per stage (or per rank, ``by="rank"``), F/B
-    boxes labelled by micro-batch (and by stage when a rank holds several)."""
+    """Draw a Gantt chart of timeline events: one row per stage (or per rank, ``by="rank"``), boxes
+    labelled by kind (F, B; I and W for a split backward) and micro-batch, a rank's second stage
+    lighter."""
     from matplotlib.figure import Figure
 
     lanes = sorted({e[by] for e in evs})
@@ -136,9 +153,9 @@ def gantt(evs: list[dict], ax=None, title: str = "", by: str = "stage"):
     t0 = min(e["start"] for e in evs)
     span = (max(e["end"] for e in evs) - t0) * 1e3
     for e in evs:
-        color = "tab:blue" if e["event"] == "forward" else "tab:orange"
+        color = COLORS.get(e["event"], "tab:orange")
         if by == "rank" and e["stage"] != e["rank"]:  # a rank's second stage: lighter
-            color = "lightskyblue" if e["event"] == "forward" else "navajowhite"
+            color = LIGHT.get(e["event"], "navajowhite")
         left, width = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
         ax.barh(e[by], width, left=left, color=color, edgecolor="black", linewidth=0.5)
         if width < 0.02 * span:  # too narrow for a label
@@ -146,7 +163,7 @@ def gantt(evs: list[dict], ax=None, title: str = "", by: str = "stage"):
         ax.text(
             left + width / 2,
             e[by],
-            f"{'F' if e['event'] == 'forward' else 'B'}{e['microbatch']}",
+            f"{e['event'][0].upper()}{e['microbatch']}",
             ha="center",
             va="center",
             fontsize=7,

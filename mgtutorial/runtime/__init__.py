@@ -4,6 +4,7 @@ It knows no lesson: nothing here imports a chapter's subpackage (tests/test_layo
 
 - ``env``: rank, local rank, world size, backend and device choice, seeding, threads,
   ``distributed()``
+- ``rounds``: the round every rank of a start agrees on, through a store that outlives starts
 - ``machine``: what this machine has and what the course chooses on it (``describe()``)
 - ``launcher``: the checks and ``launch(worker, cfg, nprocs) -> Run``
 - ``run``: ``Run`` and ``RunResult``; ``torchelastic``: what a run sets in TorchElastic (rank

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mgtutorial.runtime import runlog
+from mgtutorial.runtime.rounds import agree_on_round
 
 Backend = Literal["gloo", "nccl"]
 """A process group's backend."""
@@ -212,10 +213,10 @@ def distributed(
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     # torch's env:// rendezvous gives the store; under torchrun that is the agent's store, which
-    # outlives a restart: without a per-attempt prefix, restarted ranks read the dead ranks'
-    # addresses and fail to connect. TORCHELASTIC_RESTART_COUNT separates the attempts.
+    # outlives a restart: without a prefix of their own, restarted ranks read the dead ranks'
+    # addresses. The restart count is per node, so the ranks agree on the round through the store.
     store, rank_, world = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"attempt_{restart_count()}", store)
+    store = dist.PrefixStore(f"round_{agree_on_round(store, rank_, world, timeout)}", store)
     dist.init_process_group(
         backend=name,
         store=store,

@@ -3,6 +3,8 @@
 - ``torchrun``: torchrun commands, its agents, nodes simulated on one machine (chapter 05a)
 - ``elastic``: ``ElasticConfig``, ``ElasticTrainer`` (snapshots every k steps, an injected fault)
   and ``elastic_worker``, restarted by ``torchrun --max-restarts`` (chapter 05b)
+- ``restarts``: a restart across two nodes whose agents count restarts differently, simulated
+  (chapter 05b)
 - ``hangs``: the hang worker, where each rank waits, py-spy (chapter 05b)
 - ``slurm``: the SLURM batch script run without SLURM, to see what it starts (chapter 05a)
 - ``output``: turning torchrun's output into what a cell shows

@@ -40,8 +40,9 @@ class ElasticConfig(DDPConfig):
     fail_step: int = -1
     """… once it has logged this step, before the next one (−1: never) …"""
     fail_how: Literal["raise", "sigkill"] = "raise"
-    """… by raising RuntimeError ("raise") or by SIGKILL-ing itself ("sigkill"); only on a job's
-    first attempt (``TORCHELASTIC_RESTART_COUNT`` 0), so an elastic restart gets past it."""
+    """… by raising RuntimeError ("raise") or by SIGKILL-ing itself ("sigkill"); only in a run
+    that did not resume from a snapshot, so an elastic restart that resumes gets past it (put
+    ``fail_step`` after the first snapshot)."""
 
     def validate(self, nprocs: int) -> None:
         """Chapter 02's checks, then the snapshot interval and the fault's rank and kind.
@@ -70,7 +71,8 @@ class ElasticTrainer(Trainer):
     A snapshot is chapter 02's checkpoint taken mid-epoch: model, optimizer and progress (epoch,
     step, batches of the epoch done, samples), written by rank 0, then a barrier. The fault strikes
     rank ``cfg.fail_rank`` once it has logged step ``cfg.fail_step`` (after that step's snapshot,
-    if one is due), in the first attempt only.
+    if one is due), only in a run that did not resume from a snapshot: restarted ranks resume, so
+    they get past it whatever their node's restart count (each agent counts its own).
     """
 
     cfg: ElasticConfig
@@ -81,7 +83,8 @@ class ElasticTrainer(Trainer):
         if cfg.checkpoint and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
             if done < len(self.loader):  # the epoch's end has its own checkpoint
                 self._save(epoch, done)
-        if (self.ctx.rank, self.step, self.attempt) == (cfg.fail_rank, cfg.fail_step, 0):
+        fresh = self.first_samples == 0  # this run did not resume from a snapshot
+        if (self.ctx.rank, self.step) == (cfg.fail_rank, cfg.fail_step) and fresh:
             if cfg.fail_how == "sigkill":  # no exception, no clean-up: as the OOM killer does it
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure on rank {self.ctx.rank} at step {self.step}")

@@ -40,15 +40,35 @@ _AGENT_LINE = re.compile(r"\[?([WEI])\d{4} [\d:.]+ +\d* *\S+\] (.*)")
 def digest(output: str) -> str:
     """What a torchrun output says, for a reader: the ranks' prints (``[rank N] …``), their one-line
     errors, and the agents' one-line messages as ``agent W: …`` (timestamps, pids and file names
-    dropped); tracebacks and C++ stacks are counted, not shown."""
-    keep, dropped = [], 0
+    dropped); tracebacks, C++ stacks and the agents' INFO lines are counted, not shown."""
+    keep, dropped, info = [], 0, 0
     for line in clean(output).splitlines():
         agent = _AGENT_LINE.match(line)
         if line.startswith("[rank ") or re.match(r"\[rank\d+\]: \w+Error", line):
             keep.append(short(line))
+        elif agent and agent[1] == "I":  # INFO (LOGLEVEL=INFO): read with agent_times
+            dropped, info = dropped + 1, info + 1
         elif agent and not agent[2][:1].isspace() and not agent[2].startswith("Traceback"):
             keep.append(f"agent {agent[1]}: {short(agent[2])}")
         elif line.strip():
             dropped += 1
-    more = f"\n({dropped} more lines: tracebacks and C++ stacks)" if dropped else ""
+    kinds = "tracebacks and C++ stacks" + (", agent INFO lines" if info else "")
+    more = f"\n({dropped} more lines: {kinds})" if dropped else ""
     return "\n".join(keep) + more
+
+
+_STAMP = re.compile(r"\[?([WEI])(\d{4} [\d:]+\.\d+) +\d+ +\S+\] (\S.*)")
+
+
+def agent_times(output: str, year: int) -> list[tuple[float, str, str]]:
+    """The agents' log lines of ``output`` as (unix time, level, message), in order. TorchElastic
+    stamps them ``I1202 07:28:12.090000`` (month, day, local time; ``LOGLEVEL=INFO`` for the I
+    lines): ``year`` completes the date. Comparable with the ranks' records' ``time``."""
+    import datetime
+
+    times = []
+    for line in output.splitlines():
+        if m := _STAMP.match(line):
+            when = datetime.datetime.strptime(f"{year}{m[2]}", "%Y%m%d %H:%M:%S.%f")
+            times.append((when.timestamp(), m[1], m[3]))
+    return times

@@ -19,7 +19,7 @@ HEADER = (
     "def zero1_clip_step(flat, flat_grad, shard, opt, ctx, max_norm):\n"
 )
 RS = """grad = torch.empty_like(shard)
-dist.reduce_scatter_tensor(grad, flat_grad)
+dist.reduce_scatter_single(grad, flat_grad)
 """
 AR = """dist.all_reduce(flat_grad)
 n = shard.numel()
@@ -35,14 +35,14 @@ grad = grad * (max_norm / (grad.norm() + 1e-6)).clamp(max=1)
 DIV = "grad = grad / ctx.world_size\n"
 STEP = """shard.grad = grad
 opt.step()
-dist.all_gather_into_tensor(flat, shard.detach().clone())
+dist.all_gather_single(flat, shard.detach().clone())
 """
 STEPS = {
     "unclipped": RS + DIV + STEP,
     "local_norm": RS + DIV + LOCAL + STEP,
     "clip_before_divide": RS + CLIP + DIV + STEP,
     "no_divide": RS + CLIP + STEP,
-    "no_gather": RS + DIV + CLIP + STEP.replace("dist.all_gather_into_tensor", "pass  #"),
+    "no_gather": RS + DIV + CLIP + STEP.replace("dist.all_gather_single", "pass  #"),
     "all_reduce_then_slice": AR + DIV + CLIP + STEP,
 }
 

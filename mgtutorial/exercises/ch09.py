@@ -123,10 +123,14 @@ def explorer_efficiency(ports: int = 1, link_gbs: float | None = None) -> float:
     return scaling.predict_step("ddp", model, 64, 2048, hw, link_bw=link_bw)["efficiency"]
 
 
+PORTS_TARGET = 0.75
+"""09.5's efficiency for the port count (no count up to 8 reaches 0.9 with fp32 gradients)."""
+
+
 def explorer(ports=..., link_gbs=...) -> None:
-    """09.5: ``ports`` (int), the fewest InfiniBand ports per node with predicted efficiency ≥ 0.9,
-    and ``link_gbs`` (float, GB/s), the bandwidth of every link below which it drops under 0.9
-    (within 1 %), in the explorer's initial setting; compared with
+    """09.5: ``ports`` (int), the fewest InfiniBand ports per node with predicted efficiency ≥
+    :data:`PORTS_TARGET`, and ``link_gbs`` (float, GB/s), the bandwidth of every link below which
+    it drops under 0.9 (within 1 %), in the explorer's initial setting; compared with
     :func:`mgtutorial.perf.scaling.predict_step`."""
     ex = "09.5 explorer"
     ports, link_gbs = answered(ports, ex, "ports"), answered(link_gbs, ex, "link_gbs")
@@ -137,12 +141,13 @@ def explorer(ports=..., link_gbs=...) -> None:
     )
     eff = explorer_efficiency(ports=ports)
     require(
-        eff >= 0.9,
+        eff >= PORTS_TARGET,
         ex,
-        f"with {ports} port(s) per node the predicted efficiency is {eff:.0%}, below 90 %",
+        f"with {ports} port(s) per node the predicted efficiency is {eff:.0%}, below "
+        f"{PORTS_TARGET:.0%}",
     )
     require(
-        ports == 1 or explorer_efficiency(ports=ports - 1) < 0.9,
+        ports == 1 or explorer_efficiency(ports=ports - 1) < PORTS_TARGET,
         ex,
         f"{ports - 1} port(s) already give "
         f"{explorer_efficiency(ports=ports - 1):.0%}: look for fewer",
@@ -165,6 +170,6 @@ def explorer(ports=..., link_gbs=...) -> None:
     )
     passed(
         ex,
-        f"{ports} ports per node keep DDP at ≥ 90 % on 64 GPUs; every link at ≥ {hi:.0f} GB/s "
-        "does too",
+        f"{ports} ports per node keep DDP at ≥ {PORTS_TARGET:.0%} on 64 GPUs (8 reach "
+        f"{explorer_efficiency(ports=8):.0%}); every link at ≥ {hi:.0f} GB/s keeps it at ≥ 90 %",
     )

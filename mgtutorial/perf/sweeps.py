@@ -46,8 +46,8 @@ def collective_call(op: costmodel.Collective, nbytes: int, world_size: int, devi
     calls = {
         "all_reduce": lambda: dist.all_reduce(full),
         "broadcast": lambda: dist.broadcast(full, src=0),
-        "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+        "all_gather": lambda: dist.all_gather_single(full, part),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
     }
     return calls[op]
 

@@ -37,14 +37,20 @@ from typing import Literal, get_args
 
 import torch
 
+from mgtutorial.perf.costmodel import FP32, ZERO_MIXED
+
 Scheme = Literal["ddp", "zero1", "zero2", "zero3"]
 """What each rank keeps in full: everything (DDP), all but the optimizer state (ZeRO-1), the
 parameters only (ZeRO-2), nothing (ZeRO-3 / FSDP)."""
 SCHEMES = get_args(Scheme)
 Precision = Literal["fp32", "mixed"]
-BYTES_PER_PARAM: dict[Precision, tuple[int, int, int]] = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
-"""Bytes per parameter of (params, grads, optimizer state) for Adam(W); "mixed" as the ZeRO
-paper counts it."""
+BYTES_PER_PARAM: dict[Precision, tuple[int, int, int]] = {
+    "fp32": FP32.per_param,
+    "mixed": ZERO_MIXED.per_param,
+}
+"""Bytes per parameter of (params, grads, optimizer state) for Adam(W), from the course's one
+dtype table (:class:`mgtutorial.perf.costmodel.Dtypes`): (4, 4, 8) in fp32, (2, 2, 12) in the
+ZeRO paper's mixed precision."""
 PARTS = ("params", "grads", "optimizer")
 Unit = Literal["B", "GB"]
 """Bytes, or GB (10⁹ bytes), in tables and figures."""

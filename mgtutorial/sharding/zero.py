@@ -57,13 +57,13 @@ class ZeRO:
         """This rank's slice (S elements) of the gradients, summed over ranks by a
         reduce-scatter, ÷ N."""
         shard = torch.empty(self.S, device=self.ctx.device)
-        dist.reduce_scatter_tensor(shard, self.flat_grad, op=dist.ReduceOp.SUM)
+        dist.reduce_scatter_single(shard, self.flat_grad, op=dist.ReduceOp.SUM)
         return shard.div_(self.ctx.world_size)
 
     def step(self):
         self.slice.grad = self.reduce_gradients()
         self.opt.step()
-        dist.all_gather_into_tensor(self.flat, self.slice.detach().clone())
+        dist.all_gather_single(self.flat, self.slice.detach().clone())
         if self.stage == 1:
             # ZeRO-1 keeps the full gradients; the reduced slice was temporary
             self.slice.grad = None

@@ -34,9 +34,11 @@ CHAPTERS = (
     "05b_elastic_and_hangs",
     "06a_article_ddp",
     "06b_article_model_parallel",
-    "07_sharding",
+    "07a_zero_memory",
+    "07b_fsdp2",
     "08_tensor_parallel",
-    "09_performance",
+    "09a_cost_model",
+    "09b_measurement",
 )
 WITH_LIVE_PLOT = ("01_single_device", "02_ddp")
 MAX_LINES = 30

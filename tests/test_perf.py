@@ -185,6 +185,25 @@ def test_cluster_predictions_by_hand():
         scaling.predict_step("tp", model, 4, 1, hw, tp_degree=3)
 
 
+def test_closed_forms_agree_with_predict_step():
+    hw, model = costmodel.H100, scaling.Transformer(layers=24, hidden=2048)
+    free = dataclasses.replace(hw, latency=0.0)
+    for strategy in ("ddp", "fsdp2"):
+        t = scaling.crossover_tokens(strategy, 64, 50e9, free)
+        at = scaling.predict_step(strategy, model, 64, t, free, link_bw=50e9)
+        assert at["exposed"] == pytest.approx(0.0, abs=1e-12)
+        above = scaling.predict_step(strategy, model, 64, 0.9 * t, free, link_bw=50e9)
+        assert above["exposed"] > 0
+    ratio = scaling.tp_comm_ratio(8, 2048, hw.ring_bw(8), free)
+    tp = scaling.predict_step("tp", model, 8, 2048, free)
+    assert tp["exposed"] / tp["compute"] == pytest.approx(ratio)
+
+
+def test_lockstep_time_waits_for_the_slowest_rank():
+    # step by step the slower of the two ranks: [3, 4, 5] → median 4 (each rank's median is 2 or 3)
+    assert scaling.lockstep_time([[1.0, 4.0, 2.0], [3.0, 2.0, 5.0]]) == 4.0
+
+
 def test_summarize():
     s = timing.summarize([3.0, 1.0, 2.0, 4.0, 5.0])
     assert (s["median"], s["min"], s["max"]) == (3.0, 1.0, 5.0) and s["iqr"] > 0

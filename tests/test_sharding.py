@@ -101,7 +101,7 @@ def test_bad_config_refused_before_launch(kw, nprocs, match, runs, no_leftovers)
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_checkpoint_of_another_shape_names_the_tensor(tmp_path):
     saved = model.make_model(ShardConfig(**CFG)).state_dict()
-    dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.save({"model": saved}, checkpoint_id=str(tmp_path), no_dist=True)
     wider = model.make_model(ShardConfig(**{**CFG, "width": 12}))
     with pytest.raises(ValueError, match=r"'blocks.0.lin.weight'.*\(10, 10\).*\(12, 12\)"):
         checkpoint.load_dcp(wider, tmp_path)
@@ -247,6 +247,9 @@ def test_full_state_dict_loads_strictly_into_plain_model(two, ckpt, no_leftovers
 def test_dcp_saved_on_two_loads_on_four_and_in_one_process(four, ckpt, no_leftovers):
     for v in four.values():
         assert v["load"]["max_diff_before"] > 1e-2 and v["load"]["max_diff_after"] == 0.0
+    # resumed with the optimizer state: the run that never stopped; without it: not
+    assert four[0]["load"]["resumed_model_and_optimizer_vs_straight"] < 1e-6
+    assert four[0]["load"]["resumed_model_only_vs_straight"] > 1e-3
     one = model.make_model(ShardConfig(**{**CFG, "seed": 5}))
     checkpoint.load_dcp(one, ckpt / "dcp")
     torch.testing.assert_close(

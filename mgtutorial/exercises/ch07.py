@@ -1,4 +1,4 @@
-"""Checkers of chapter 07's exercises (notebooks/07_sharding.ipynb): how many ranks bring a 13 B
+"""Checkers of chapter 07's exercises (notebooks/07a_zero_memory.ipynb): how many ranks bring a 13 B
 model under 80 GB (07.1), per-rank bytes with padding (07.2), ZeRO-1's step with clipping by the
 global gradient norm (07.3, in :mod:`mgtutorial.exercises.ch07_zero`) and a per-block
 ``reshard_after_forward`` policy (07.4, in :mod:`mgtutorial.exercises.ch07_fsdp`); all four are

@@ -1,4 +1,4 @@
-"""Checker of chapter 07's exercise 07.4 (notebooks/07_sharding.ipynb): a per-block
+"""Checker of chapter 07's exercise 07.4 (notebooks/07b_fsdp2.ipynb): a per-block
 ``reshard_after_forward`` policy, its state after forward and its collectives, reached as
 ``ex.ch07.reshard_policy``.
 

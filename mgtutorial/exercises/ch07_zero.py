@@ -1,4 +1,4 @@
-"""Checker of chapter 07's exercise 07.3 (notebooks/07_sharding.ipynb): ZeRO-1's step with its
+"""Checker of chapter 07's exercise 07.3 (notebooks/07a_zero_memory.ipynb): ZeRO-1's step with its
 gradients clipped by the global norm, reached as ``ex.ch07.zero1_clipped``.
 
 The rank-side worker takes a :class:`~mgtutorial.exercises._common.FileWorkerConfig`: it imports

@@ -1,12 +1,12 @@
-"""Checkers of chapter 09's exercises (notebooks/09_performance.ipynb): bus bandwidth (09.1), the
-exposed all-reduce of a DDP step (09.2), DDP's buckets for a tiny cap (09.3, in
-:mod:`mgtutorial.exercises.ch09_buckets`), a timing function that is right on a GPU (09.4, in
-:mod:`mgtutorial.exercises.ch09_timing`) and the explorer's question (09.5); all five are reached
-as ``ex.ch09.<checker>``.
+"""Checkers of chapter 09's exercises: in notebooks/09a_cost_model.ipynb bus bandwidth (09.1), a
+timing function that is right on a GPU (09.2, in :mod:`mgtutorial.exercises.ch09_timing`) and the
+explorer's question (09.3); in notebooks/09b_measurement.ipynb the exposed all-reduce of a DDP step
+(09.4) and DDP's buckets for a tiny cap (09.5, in :mod:`mgtutorial.exercises.ch09_buckets`); all
+five are reached as ``ex.ch09.<checker>``.
 
-Nothing here asserts on a measured duration: 09.1, 09.2 and 09.5 compare with
-:mod:`mgtutorial.perf.costmodel` and :mod:`mgtutorial.perf.scaling`, 09.3 with the buckets a real
-DDP run reports; 09.4 runs the learner's timing function against a simulated device with a fake
+Nothing here asserts on a measured duration: 09.1, 09.3 and 09.4 compare with
+:mod:`mgtutorial.perf.costmodel` and :mod:`mgtutorial.perf.scaling`, 09.5 with the buckets a real
+DDP run reports; 09.2 runs the learner's timing function against a simulated device with a fake
 clock, whose every call is recorded.
 """
 
@@ -67,22 +67,22 @@ def busbw(fn) -> None:
     )
 
 
-# --- 09.2 ---------------------------------------------------------------------------------------
+# --- 09.4 ---------------------------------------------------------------------------------------
 
 STEP = dict(fwd_s=2e-3, bwd_s=5e-3, opt_s=1e-3, alpha=400e-6, beta=0.66e-9)
-"""The step of 09.2: forward, backward, optimizer (s), the all-reduce's α (s) and β (s/byte)."""
+"""The step of 09.4: forward, backward, optimizer (s), the all-reduce's α (s) and β (s/byte)."""
 BUCKETS = [1608488, 9728]
-"""09.2's two buckets (bytes): fc2 + fc1, then conv1 (the chapter's CNN, default caps)."""
+"""09.4's two buckets (bytes): fc2 + fc1, then conv1 (the chapter's CNN, default caps)."""
 READY = [0.3, 1.0]
 """Fraction of backward done when each of :data:`BUCKETS` is ready."""
 
 
 def exposed(answers: dict) -> None:
-    """09.2: ``answers`` = {"one bucket", "two buckets": exposed all-reduce time (s)} for the step
+    """09.4: ``answers`` = {"one bucket", "two buckets": exposed all-reduce time (s)} for the step
     of :data:`STEP` with all gradients (``sum(BUCKETS)`` bytes) in one bucket, and with
     :data:`BUCKETS` ready at :data:`READY`; compared with
     :func:`mgtutorial.perf.costmodel.ddp_step_time`."""
-    ex = "09.2 exposed all-reduce"
+    ex = "09.4 exposed all-reduce"
     a, b = STEP["alpha"], STEP["beta"]
     cases = {"one bucket": ([sum(BUCKETS)], [1.0]), "two buckets": (BUCKETS, READY)}
     for name, (sizes, ready) in cases.items():
@@ -111,7 +111,7 @@ def exposed(answers: dict) -> None:
     passed(ex, "one bucket exposes all of α + β·S; two buckets expose only the last one's α + β·S")
 
 
-# --- 09.5 ---------------------------------------------------------------------------------------
+# --- 09.3 ---------------------------------------------------------------------------------------
 
 
 def explorer_efficiency(ports: int = 1, link_gbs: float | None = None) -> float:
@@ -124,15 +124,15 @@ def explorer_efficiency(ports: int = 1, link_gbs: float | None = None) -> float:
 
 
 PORTS_TARGET = 0.75
-"""09.5's efficiency for the port count (no count up to 8 reaches 0.9 with fp32 gradients)."""
+"""09.3's efficiency for the port count (no count up to 8 reaches 0.9 with fp32 gradients)."""
 
 
 def explorer(ports=..., link_gbs=...) -> None:
-    """09.5: ``ports`` (int), the fewest InfiniBand ports per node with predicted efficiency ≥
+    """09.3: ``ports`` (int), the fewest InfiniBand ports per node with predicted efficiency ≥
     :data:`PORTS_TARGET`, and ``link_gbs`` (float, GB/s), the bandwidth of every link below which
     it drops under 0.9 (within 1 %), in the explorer's initial setting; compared with
     :func:`mgtutorial.perf.scaling.predict_step`."""
-    ex = "09.5 explorer"
+    ex = "09.3 explorer"
     ports, link_gbs = answered(ports, ex, "ports"), answered(link_gbs, ex, "link_gbs")
     require(
         isinstance(ports, int) and 1 <= ports <= 8,

@@ -1,13 +1,12 @@
 """What communication costs (chapter 09): bandwidths, the α–β fit, ring time, DDP's buckets and
 the step time they leave exposed, and the links of a GPU cluster.
 
-Taught in notebooks/09_performance.ipynb, sections 2, 4 and 7. Pure arithmetic (no process group,
-no timing), so the tests check every function on hand-computed cases. Follows nccl-tests'
-definitions of algorithm and bus bandwidth
-(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md), the α–β
-(latency–bandwidth) model of collectives and https://pytorch.org/docs/stable/notes/ddp.html
-(buckets, overlap). FLOPs, MFU and the predicted step of a transformer on a cluster are in
-:mod:`mgtutorial.perf.scaling`.
+Taught in notebooks/09a_cost_model.ipynb (sections 2 and 4) and notebooks/09b_measurement.ipynb
+(section 1). Pure arithmetic (no process group, no timing), so the tests check every function on
+hand-computed cases. Follows nccl-tests' definitions of algorithm and bus bandwidth
+(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md), the α–β (latency–bandwidth)
+model of collectives and https://pytorch.org/docs/stable/notes/ddp.html (buckets, overlap). FLOPs,
+MFU and the predicted step of a transformer on a cluster are in :mod:`mgtutorial.perf.scaling`.
 
 :class:`Dtypes` is the one table of which dtype each kind of tensor has (parameters, the copy the
 matmuls use, gradients as reduced, optimizer state, activations); chapters 07 (memory), 08 (what TP

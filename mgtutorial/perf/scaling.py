@@ -1,8 +1,8 @@
 """What compute costs and how a step scales (chapter 09): FLOPs of the chapter's CNN, MFU, the
 measured 2-rank scaling ratios, and the predicted step of a transformer on a GPU cluster.
 
-Taught in notebooks/09_performance.ipynb, sections 3, 4 and 7. Pure arithmetic, like
-:mod:`mgtutorial.perf.costmodel`, whose ring times and hardware
+Taught in notebooks/09a_cost_model.ipynb (sections 3 and 4) and notebooks/09b_measurement.ipynb
+(section 1). Pure arithmetic, like :mod:`mgtutorial.perf.costmodel`, whose ring times and hardware
 (:data:`~mgtutorial.perf.costmodel.H100`) the predictions use. Follows the MFU definition of the
 PaLM paper (Chowdhery et al. 2022, appendix B) and the FLOP counts of
 ``torch.utils.flop_counter.FlopCounterMode`` (2 per multiply-add).
@@ -12,6 +12,7 @@ Units: FLOPs, seconds, bytes; bandwidths in bytes per second.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -175,6 +176,56 @@ def fsdp_time(params: float, n: int, link_bw: float, latency: float, size) -> fl
     (``size("compute")`` bytes each) and a reduce-scatter of the gradients (``size("grads")``)."""
     gather = ring_time("all_gather", size("compute") * params, n, link_bw, latency)
     return 2 * gather + ring_time("reduce_scatter", size("grads") * params, n, link_bw, latency)
+
+
+def crossover_tokens(
+    strategy: Literal["ddp", "fsdp2"],
+    n_gpus: int,
+    link_bw: float,
+    hw: Hardware = H100,
+    efficiency: float = 0.5,
+    dtypes: Dtypes = BF16_FP32_REDUCE,
+) -> float:
+    """Tokens per GPU below which ``strategy``'s communication can no longer hide behind compute
+    (the bandwidth terms of :func:`predict_step`, latency left out). Closed forms, P = peak ×
+    efficiency, B = ``link_bw``, g and c the bytes of a gradient and of a gathered parameter:
+
+    * ddp: the all-reduce 2(n−1)/n·g·Ψ/B hides behind ⅔ of 6Ψ·T/P → T* = (n−1)/n · g·P / (2B);
+    * fsdp2: 2 all-gathers + 1 reduce-scatter, (n−1)/n·(2c + g)·Ψ/B, behind all of it →
+      T* = (n−1)/n · (2c + g)·P / (6B).
+
+    Ψ cancels: whether a data-parallel step is communication-bound depends on the tokens each GPU
+    processes, the link and the kernels' speed, not on the model's size.
+    """
+    p, f = hw.peak_flops * efficiency, (n_gpus - 1) / n_gpus
+    g, c = dtypes.nbytes("grads"), dtypes.nbytes("compute")
+    return {"ddp": f * g * p / (2 * link_bw), "fsdp2": f * (2 * c + g) * p / (6 * link_bw)}[
+        strategy
+    ]
+
+
+def tp_comm_ratio(
+    tp: int,
+    hidden: int,
+    link_bw: float,
+    hw: Hardware = H100,
+    efficiency: float = 0.5,
+    dtypes: Dtypes = BF16_FP32_REDUCE,
+) -> float:
+    """TP's exposed communication / compute per block (bandwidth terms, Megatron's 4 all-reduces
+    of the group's activations, 12h² parameters per block): ``(tp − 1)·a·P / (9·h·B)`` with a the
+    bytes of an activation, P = peak × efficiency, B = ``link_bw``. The tokens cancel: TP's share
+    grows with tp − 1 and shrinks only with the hidden size."""
+    a = dtypes.nbytes("activations")
+    return (tp - 1) * a * hw.peak_flops * efficiency / (9 * hidden * link_bw)
+
+
+def lockstep_time(step_times: list[list[float]]) -> float:
+    """What a synchronous step of N ranks costs when each rank alone takes ``step_times[r][i]``
+    at step i: the median over steps of the slowest rank's time. DDP's collectives make every
+    rank wait for the slowest one at every step; ranks that train independently do not, so the
+    mean of their medians underestimates a synchronous step wherever the ranks' speeds vary."""
+    return statistics.median(max(ts) for ts in zip(*step_times))
 
 
 def scaling_ratios(values: dict[int, list[dict]]) -> list[dict]:

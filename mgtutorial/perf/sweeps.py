@@ -1,8 +1,8 @@
 """Sweeps that measure: every collective over message sizes, and DDP steps split into forward,
 backward and optimizer phases over batch sizes, modes and DDP's switches.
 
-Taught in notebooks/09_performance.ipynb, sections 2, 4–6. The clocks are
-:mod:`mgtutorial.perf.timing`'s; the results feed :mod:`mgtutorial.perf.costmodel` (α–β fit,
+Taught in notebooks/09a_cost_model.ipynb (section 2) and notebooks/09b_measurement.ipynb. The clocks
+are :mod:`mgtutorial.perf.timing`'s; the results feed :mod:`mgtutorial.perf.costmodel` (α–β fit,
 step-time model) and :func:`mgtutorial.perf.scaling.scaling_ratios`. Follows
 https://pytorch.org/docs/stable/distributed.html (collectives) and
 https://pytorch.org/docs/stable/notes/ddp.html. From the shell (2 ranks)::
@@ -85,7 +85,8 @@ def sweep_worker(cfg: SweepConfig) -> list[dict]:
     """Time every (op, size) on every rank; the collective's time is the *slowest* rank's.
 
     Logs and returns ``kind="collective_time"`` records: ``op``, ``nbytes``, ``world_size``,
-    ``time_s`` (median over repeats of the max over ranks), ``times`` (s).
+    ``time_s`` (median over repeats of the max over ranks), ``time_min_s`` (the fastest repeat:
+    the one a busy machine disturbed least), ``times`` (s).
     """
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
         out = []
@@ -102,6 +103,7 @@ def sweep_worker(cfg: SweepConfig) -> list[dict]:
                     nbytes=nbytes,
                     world_size=ctx.world_size,
                     time_s=statistics.median(times),
+                    time_min_s=min(times),
                     times=times,
                 )
                 out.append(record)

@@ -1,8 +1,9 @@
 """Timing done right, on a CPU and on a GPU: warm-up, barrier, clock, synchronize, repeats; CUDA
 events; the FLOP/s of a matmul; the events of a profiler trace.
 
-Taught in notebooks/09_performance.ipynb, sections 1, 3 and 5. The sweeps that use these live in
-:mod:`mgtutorial.perf.sweeps`, the arithmetic in :mod:`mgtutorial.perf.costmodel`. Follows
+Taught in notebooks/09a_cost_model.ipynb (sections 1 and 3) and notebooks/09b_measurement.ipynb
+(section 2). The sweeps that use these live in :mod:`mgtutorial.perf.sweeps`, the arithmetic in
+:mod:`mgtutorial.perf.costmodel`. Follows
 https://pytorch.org/docs/stable/notes/cuda.html#asynchronous-execution (CUDA events) and
 https://pytorch.org/docs/stable/profiler.html.
 
@@ -106,6 +107,16 @@ def matmul_flops(n: int = 256, repeats: int = 5, threads: int = 1) -> dict:
     finally:
         torch.set_num_threads(before)
     return {"flops": 2 * n**3 / statistics.median(times), "times": times}
+
+
+def matmul_peak(sizes=(256, 512, 1024, 2048), repeats: int = 3, threads: int = 1) -> dict:
+    """The best FLOP/s of :func:`matmul_flops` over square ``sizes``: a rate that grows with n
+    until the matmul saturates the core(s), used as the achievable peak of one rank (an MFU
+    measured against a small matmul's rate can pass 100 %). Returns ``{"flops": best FLOP/s,
+    "n": its size, "by_size": {n: FLOP/s}}``."""
+    by_size = {n: matmul_flops(n, repeats, threads)["flops"] for n in sizes}
+    n = max(by_size, key=by_size.get)
+    return {"flops": by_size[n], "n": n, "by_size": by_size}
 
 
 def event_kind(name: str) -> str:

@@ -1,6 +1,6 @@
 """Bytes per rank of DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP): the formula, the measurement, the chart.
 
-Taught in notebooks/07_sharding.ipynb, sections 1–4. Follows the ZeRO paper's accounting
+Taught in notebooks/07a_zero_memory.ipynb, sections 1–4. Follows the ZeRO paper's accounting
 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", §3) and
 https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html (how FSDP2 shards dim 0).
 
@@ -18,7 +18,7 @@ the parameters (ZeRO-3 / FSDP) by N. ``mixed`` is the ZeRO paper's mixed precisi
 parameters and gradients in the model, the fp32 master copy in the optimizer). FSDP2 with
 ``MixedPrecisionPolicy(param_dtype=bfloat16)`` keeps fp32 parameter and gradient shards (bf16 only
 in the gathered copies), so between steps it holds the ``fp32`` row (measured in
-notebooks/07_sharding.ipynb, section 7).
+notebooks/07b_fsdp2.ipynb, section 4).
 
 The formula is exact, with the padding the implementations add:
 
@@ -31,7 +31,10 @@ The formula is exact, with the padding the implementations add:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Literal, get_args
 
@@ -139,6 +142,53 @@ def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
         storage = local.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 points at /dev/null inside the block (C++ prints included)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def allocator_bytes(fn):
+    """Run ``fn()`` under ``torch.profiler`` with ``profile_memory=True`` and read the allocator's
+    memory events (allocations +, frees −, in time order): returns ``(fn's result, {"net": bytes
+    still allocated when it returns, "peak": the highest running total})``, both relative to the
+    start. Unlike :func:`held_bytes` this is what the allocator holds (padding, temporaries,
+    buffers the library keeps), on CPU as on GPU. Follows
+    https://pytorch.org/docs/stable/profiler.html (``profile_memory``).
+    """
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _stderr_silenced():  # the profiler's start and stop lines, printed by its C++ side
+        prof.__enter__()
+    try:
+        result = fn()
+    finally:
+        with _stderr_silenced():
+            prof.__exit__(None, None, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    running = peak = 0
+    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+        running += e["args"]["Bytes"]
+        peak = max(peak, running)
+    return result, {"net": running, "peak": peak}
 
 
 def measure(

@@ -2,9 +2,9 @@
 one dict per part (max abs differences, bytes, counts), so a notebook cell or a test pays for one
 launch.
 
-Taught in notebooks/07_sharding.ipynb. The parts live with their idea: ZeRO by hand in
-:mod:`mgtutorial.sharding.zero`, FSDP2 in :mod:`mgtutorial.sharding.fsdp`, checkpoints in
-:mod:`mgtutorial.sharding.checkpoint`; "bench" (every set-up side by side, for
+Taught in notebooks/07a_zero_memory.ipynb and notebooks/07b_fsdp2.ipynb. The parts live with their
+idea: ZeRO by hand in :mod:`mgtutorial.sharding.zero`, FSDP2 in :mod:`mgtutorial.sharding.fsdp`,
+checkpoints in :mod:`mgtutorial.sharding.checkpoint`; "bench" (every set-up side by side, for
 benchmarks/sharding.py) is here. From the shell::
 
     torchrun --standalone --nproc-per-node 2 -m mgtutorial.sharding.worker zero fsdp counts

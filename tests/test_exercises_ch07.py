@@ -67,7 +67,7 @@ def test_smallest_ranks_is_the_closed_form():
     ],
 )
 def test_fits_in_80gb_hints(guess, hint):
-    with pytest.raises(ExerciseError, match="^07.1 80 GB per rank: ") as err:
+    with pytest.raises(ExerciseError, match="^07a.1 80 GB per rank: ") as err:
         ch07.fits_in_80gb(guess)
     assert hint in err.value.hint
 
@@ -99,7 +99,7 @@ def test_zero1_clipped_variants(variant, hint, tmp_path, capsys, no_leftovers, m
             in capsys.readouterr().out
         )
         return
-    with pytest.raises(ExerciseError, match="^07.3 ZeRO-1 with clipping: ") as err:
+    with pytest.raises(ExerciseError, match="^07a.3 ZeRO-1 with clipping: ") as err:
         ch07.zero1_clipped()
     assert hint in err.value.hint
 
@@ -124,7 +124,7 @@ def test_padded_bytes_names_the_gap_not_the_measured_value(monkeypatch):
         ("zero3", 0): (1408, 704, 1408),
         ("zero3", 1): (1408, 704, 1408),
     }
-    with pytest.raises(ExerciseError, match="^07.2 padding: ") as err:
+    with pytest.raises(ExerciseError, match="^07a.2 padding: ") as err:
         ch07.padded_bytes(guess)
     assert (
         "zero2 params: 4 B = 1 fp32 element short: " in err.value.hint
@@ -176,6 +176,6 @@ def test_reshard_policy_state_and_mesh(body, hint, tmp_path, no_leftovers, monke
         "from torch.distributed.fsdp import fully_shard\n\n\n"
         "def shard_model(model, mesh):\n" + textwrap.indent(body, "    ") + "\n"
     )
-    with pytest.raises(ExerciseError, match="^07.4 reshard policy: ") as err:
+    with pytest.raises(ExerciseError, match="^07b.1 reshard policy: ") as err:
         ch07.reshard_policy(predicted={b: (b + 1, b - 1, b + 1) for b in (1, 2, 3)})
     assert hint in err.value.hint

@@ -128,7 +128,7 @@ def two(tmp_path_factory, ckpt):
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory, ckpt, two):
-    cfg = ShardConfig(parts=["zero", "fsdp", "load"], checkpoint_dir=str(ckpt), **CFG)
+    cfg = ShardConfig(parts=["zero", "fsdp", "load", "practice"], checkpoint_dir=str(ckpt), **CFG)
     return launch(worker, cfg, 4, runs_dir=tmp_path_factory.mktemp("runs")).wait(timeout=400).values
 
 
@@ -255,6 +255,29 @@ def test_dcp_saved_on_two_loads_on_four_and_in_one_process(four, ckpt, no_leftov
     torch.testing.assert_close(
         one.state_dict(), torch.load(ckpt / "full.pt", weights_only=True), rtol=0, atol=0
     )
+
+
+@pytest.mark.timeout(500)
+def test_accumulation_and_hsdp_count_their_collectives_and_equal_one_process(four, no_leftovers):
+    for v in four.values():
+        p, units = v["practice"], v["practice"]["blocks"] + 1
+        # 2 micro-batches: a reduce-scatter per unit per micro-batch, or only in the last one
+        assert p["sync_each"]["counts"]["reduce_scatter"] == 2 * units
+        assert p["sync_last"]["counts"]["reduce_scatter"] == units
+        # HSDP: gathers and reduce-scatters inside a replica, one all-reduce per unit across
+        assert p["hsdp"]["counts"] == {
+            "all_gather": units + units - 1,  # the root stays gathered for backward
+            "reduce_scatter": units,
+            "all_reduce": units,
+        }
+        assert p["hsdp"]["placements"] == "(Replicate(), Shard(dim=0))"
+        for name in ("sync_each", "sync_last", "hsdp"):
+            assert p[name]["max_diff"] < 1e-5, name
+
+
+def test_practice_needs_four_ranks(runs, no_leftovers):
+    with pytest.raises(ValueError, match="even world size of at least 4"):
+        launch(worker, ShardConfig(parts=["practice"]), 2, runs_dir=runs)
 
 
 @pytest.mark.skipif(

@@ -1,12 +1,12 @@
-"""Checkers of chapter 09's exercises: in notebooks/09a_cost_model.ipynb bus bandwidth (09.1), a
-timing function that is right on a GPU (09.2, in :mod:`mgtutorial.exercises.ch09_timing`) and the
-explorer's question (09.3); in notebooks/09b_measurement.ipynb the exposed all-reduce of a DDP step
-(09.4) and DDP's buckets for a tiny cap (09.5, in :mod:`mgtutorial.exercises.ch09_buckets`); all
+"""Checkers of chapter 09's exercises: in notebooks/09a_cost_model.ipynb bus bandwidth (09a.1), a
+timing function that is right on a GPU (09a.2, in :mod:`mgtutorial.exercises.ch09_timing`) and the
+explorer's question (09a.3); in notebooks/09b_measurement.ipynb the exposed all-reduce of a DDP step
+(09b.1) and DDP's buckets for a tiny cap (09b.2, in :mod:`mgtutorial.exercises.ch09_buckets`); all
 five are reached as ``ex.ch09.<checker>``.
 
-Nothing here asserts on a measured duration: 09.1, 09.3 and 09.4 compare with
-:mod:`mgtutorial.perf.costmodel` and :mod:`mgtutorial.perf.scaling`, 09.5 with the buckets a real
-DDP run reports; 09.2 runs the learner's timing function against a simulated device with a fake
+Nothing here asserts on a measured duration: 09a.1, 09a.3 and 09b.1 compare with
+:mod:`mgtutorial.perf.costmodel` and :mod:`mgtutorial.perf.scaling`, 09b.2 with the buckets a real
+DDP run reports; 09a.2 runs the learner's timing function against a simulated device with a fake
 clock, whose every call is recorded.
 """
 
@@ -34,7 +34,7 @@ __all__ = [
     "timing",
 ]
 
-# --- 09.1 ---------------------------------------------------------------------------------------
+# --- 09a.1 ---------------------------------------------------------------------------------------
 
 WHY = {
     "all_reduce": "a ring all-reduce (a reduce-scatter, then an all-gather) sends 2(n − 1)/n of "
@@ -46,10 +46,10 @@ WHY = {
 
 
 def busbw(fn) -> None:
-    """09.1: ``fn(algbw, op, n) -> float``, the bus bandwidth (B/s) of ``op`` (one of
+    """09a.1: ``fn(algbw, op, n) -> float``, the bus bandwidth (B/s) of ``op`` (one of
     :data:`mgtutorial.perf.costmodel.COLLECTIVES`) on ``n`` ranks; compared with
     :func:`mgtutorial.perf.costmodel.busbw` for n = 4, 8, 2, 3, 1 and every collective."""
-    ex = "09.1 busbw"
+    ex = "09a.1 busbw"
     algbw = 1e9
     for n in (4, 8, 2, 3, 1):
         for op in costmodel.COLLECTIVES:
@@ -67,22 +67,22 @@ def busbw(fn) -> None:
     )
 
 
-# --- 09.4 ---------------------------------------------------------------------------------------
+# --- 09b.1 ---------------------------------------------------------------------------------------
 
 STEP = dict(fwd_s=2e-3, bwd_s=5e-3, opt_s=1e-3, alpha=400e-6, beta=0.66e-9)
-"""The step of 09.4: forward, backward, optimizer (s), the all-reduce's α (s) and β (s/byte)."""
+"""The step of 09b.1: forward, backward, optimizer (s), the all-reduce's α (s) and β (s/byte)."""
 BUCKETS = [1608488, 9728]
-"""09.4's two buckets (bytes): fc2 + fc1, then conv1 (the chapter's CNN, default caps)."""
+"""09b.1's two buckets (bytes): fc2 + fc1, then conv1 (the chapter's CNN, default caps)."""
 READY = [0.3, 1.0]
 """Fraction of backward done when each of :data:`BUCKETS` is ready."""
 
 
 def exposed(answers: dict) -> None:
-    """09.4: ``answers`` = {"one bucket", "two buckets": exposed all-reduce time (s)} for the step
+    """09b.1: ``answers`` = {"one bucket", "two buckets": exposed all-reduce time (s)} for the step
     of :data:`STEP` with all gradients (``sum(BUCKETS)`` bytes) in one bucket, and with
     :data:`BUCKETS` ready at :data:`READY`; compared with
     :func:`mgtutorial.perf.costmodel.ddp_step_time`."""
-    ex = "09.4 exposed all-reduce"
+    ex = "09b.1 exposed all-reduce"
     a, b = STEP["alpha"], STEP["beta"]
     cases = {"one bucket": ([sum(BUCKETS)], [1.0]), "two buckets": (BUCKETS, READY)}
     for name, (sizes, ready) in cases.items():
@@ -111,7 +111,7 @@ def exposed(answers: dict) -> None:
     passed(ex, "one bucket exposes all of α + β·S; two buckets expose only the last one's α + β·S")
 
 
-# --- 09.3 ---------------------------------------------------------------------------------------
+# --- 09a.3 ---------------------------------------------------------------------------------------
 
 
 def explorer_efficiency(ports: int = 1, link_gbs: float | None = None) -> float:
@@ -124,15 +124,15 @@ def explorer_efficiency(ports: int = 1, link_gbs: float | None = None) -> float:
 
 
 PORTS_TARGET = 0.75
-"""09.3's efficiency for the port count (no count up to 8 reaches 0.9 with fp32 gradients)."""
+"""09a.3's efficiency for the port count (no count up to 8 reaches 0.9 with fp32 gradients)."""
 
 
 def explorer(ports=..., link_gbs=...) -> None:
-    """09.3: ``ports`` (int), the fewest InfiniBand ports per node with predicted efficiency ≥
+    """09a.3: ``ports`` (int), the fewest InfiniBand ports per node with predicted efficiency ≥
     :data:`PORTS_TARGET`, and ``link_gbs`` (float, GB/s), the bandwidth of every link below which
     it drops under 0.9 (within 1 %), in the explorer's initial setting; compared with
     :func:`mgtutorial.perf.scaling.predict_step`."""
-    ex = "09.3 explorer"
+    ex = "09a.3 explorer"
     ports, link_gbs = answered(ports, ex, "ports"), answered(link_gbs, ex, "link_gbs")
     require(
         isinstance(ports, int) and 1 <= ports <= 8,

@@ -1,4 +1,4 @@
-"""Checker of chapter 09's exercise 09.2 (notebooks/09a_cost_model.ipynb): a timing function that
+"""Checker of chapter 09's exercise 09a.2 (notebooks/09a_cost_model.ipynb): a timing function that
 is right on a GPU, reached as ``ex.ch09.timing``.
 
 Nothing here measures a duration: the learner's function runs against a :class:`FakeDevice`, a
@@ -59,11 +59,11 @@ def _timed_spans(events: list[str], warmup: int) -> list[list[str]]:
 
 
 def timing(fn) -> None:
-    """09.2: ``fn(op, *, warmup, repeats, clock, barrier, synchronize) -> float``, the median
+    """09a.2: ``fn(op, *, warmup, repeats, clock, barrier, synchronize) -> float``, the median
     seconds per call of ``op()``. Run on a :class:`FakeDevice`: 2 slow warm-up calls, 5 timed
     ones (one of them slow), a peer 3 s late; the calls it makes and their order are checked,
     then the value."""
-    ex = "09.2 timing"
+    ex = "09a.2 timing"
     warmup, timed, late = 2, [1.0, 1.2, 5.0, 0.9, 1.1], 3.0
     dev = FakeDevice([10.0] * warmup + timed, late)
     got = attempt(

@@ -202,6 +202,7 @@ def test_closed_forms_agree_with_predict_step():
 def test_lockstep_time_waits_for_the_slowest_rank():
     # step by step the slower of the two ranks: [3, 4, 5] → median 4 (each rank's median is 2 or 3)
     assert scaling.lockstep_time([[1.0, 4.0, 2.0], [3.0, 2.0, 5.0]]) == 4.0
+    assert scaling.lockstep_time([[1.0, 4.0, 2.0], [3.0, 2.0, 5.0]], stat=min) == 3.0
 
 
 def test_summarize():

@@ -145,15 +145,16 @@ def reshard_policy(path: str = "ex07_fsdp.py", predicted: dict | None = None) ->
             mine["counts"] == asked["counts"],
             ex,
             f"with B = {b} blocks, your shard_model runs {mine['counts']} "
-            f"(all-gathers forward, backward, reduce-scatters), the asked "
-            f"policy {asked['counts']}: fully_shard each block once, then the root",
+            "(all-gathers forward, backward, reduce-scatters), not what the asked policy runs: "
+            "fully_shard each block once, then the root",
         )
         for name, guess, truth in zip(names, predicted[b], asked["counts"]):
             require(
                 guess == truth,
                 ex,
-                f"with B = {b} blocks, {name}: {truth} counted, you predicted {guess}: "
-                "backward gathers again only the units resharded after forward",
+                f"with B = {b} blocks, {name}: you predicted {guess}, "
+                f"{'too many' if guess > truth else 'too few'}: backward gathers again only the "
+                "units resharded after forward",
             )
     passed(
         ex,

@@ -220,12 +220,13 @@ def tp_comm_ratio(
     return (tp - 1) * a * hw.peak_flops * efficiency / (9 * hidden * link_bw)
 
 
-def lockstep_time(step_times: list[list[float]]) -> float:
+def lockstep_time(step_times: list[list[float]], stat=statistics.median) -> float:
     """What a synchronous step of N ranks costs when each rank alone takes ``step_times[r][i]``
-    at step i: the median over steps of the slowest rank's time. DDP's collectives make every
-    rank wait for the slowest one at every step; ranks that train independently do not, so the
-    mean of their medians underestimates a synchronous step wherever the ranks' speeds vary."""
-    return statistics.median(max(ts) for ts in zip(*step_times))
+    at step i: ``stat`` (median by default; ``min`` for the least disturbed step) over steps of
+    the slowest rank's time. DDP's collectives make every rank wait for the slowest one at every
+    step; ranks that train independently do not, so the mean of their medians underestimates a
+    synchronous step wherever the ranks' speeds vary."""
+    return stat(max(ts) for ts in zip(*step_times))
 
 
 def scaling_ratios(values: dict[int, list[dict]]) -> list[dict]:

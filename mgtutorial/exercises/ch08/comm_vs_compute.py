@@ -60,11 +60,8 @@ def _check_ratio(ex: str, ratio) -> None:
                 (text for k, text in fixes if close(got * k, want, rel=1e-6)),
                 "compare with section 7's cell",
             )
-            require(
-                False,
-                ex,
-                f"ratio({n}, {bw:.3g}) = {got:.3g}, section 7's arithmetic gives {want:.3g}: {why}",
-            )
+            direction = "too large" if got > want else "too small"
+            require(False, ex, f"ratio({n}, {bw:.3g}) = {got:.3g} is {direction}: {why}")
 
 
 def crossover(ratio, smallest_tp: dict | None = None) -> None:

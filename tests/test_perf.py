@@ -246,10 +246,12 @@ def test_profiled_ddp_step_has_one_all_reduce_per_bucket(runs, no_leftovers):
         backward = [e for e in events if e["kind"] == "backward"]
         buckets = costmodel.bucket_layout(value["grad_bytes"], 25 * MIB, MIB)
         assert [e["name"] for e in comm] == ["gloo:all_reduce"] * len(buckets)
-        # the first all-reduce runs during backward: after its start, before its end
-        first_comm = min(e["start"] for e in comm)
+        # each bucket's all-reduce is launched during backward (DDP's hook, on the training thread);
+        # when gloo's thread runs it depends on free cores, so its start is not asserted
+        launches = [e for e in events if e["kind"] == "all_reduce_launch"]
         backward_end = max(e["start"] + e["dur"] for e in backward)
-        assert len(comm) == 2 and min(e["start"] for e in backward) < first_comm < backward_end
+        assert len(comm) == 2 and len(launches) == 2
+        assert all(min(e["start"] for e in backward) < e["start"] < backward_end for e in launches)
         assert sum(e["kind"] == "forward" for e in events) == 1
 
 

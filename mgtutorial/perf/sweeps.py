@@ -113,7 +113,8 @@ def sweep_worker(cfg: SweepConfig) -> list[dict]:
 class TimedTrainer(ddp.Trainer):
     """Chapter 02's Trainer whose ``_run_batch`` also times forward, backward and optimizer step.
 
-    ``self.phases`` gets one ``(start, fwd_s, bwd_s, opt_s)`` tuple per step (perf_counter s);
+    ``self.phases`` gets one ``(start, fwd_s, bwd_s, opt_s, samples)`` tuple per step
+    (perf_counter s; ``samples`` this step's batch, smaller for an epoch's last, partial batch);
     the time between two starts is the whole step (data loading and logging included). On a GPU
     the phases end with :func:`~mgtutorial.perf.timing.sync`, which costs some overlap but makes
     the split honest. Step number ``profile_step`` (if set) runs under ``torch.profiler`` and its
@@ -122,7 +123,7 @@ class TimedTrainer(ddp.Trainer):
 
     def __init__(self, *args, profile_step: int | None = None, trace: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.phases: list[tuple[float, float, float, float]] = []
+        self.phases: list[tuple[float, float, float, float, int]] = []
         self.profile_step, self.trace = profile_step, trace
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -148,7 +149,7 @@ class TimedTrainer(ddp.Trainer):
         t2 = time.perf_counter()
         self.optimizer.step()
         sync(self.ctx.device)
-        self.phases.append((t0, t1 - t0, t2 - t1, time.perf_counter() - t2))
+        self.phases.append((t0, t1 - t0, t2 - t1, time.perf_counter() - t2, len(x)))
         return loss.item()
 
 
@@ -219,9 +220,12 @@ def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None, barrier:
     if barrier:
         dist.barrier()
     trainer.train()
-    timed = trainer.phases[cfg.warmup : n]
-    starts = [p[0] for p in trainer.phases[cfg.warmup : n + 1]]
-    steps = [b - a for a, b in zip(starts, starts[1:])]
+    # an epoch's last batch is partial (the data set is not a multiple of the batch): its shorter
+    # step would mix into the statistics, so only full batches are timed
+    full = run_cfg.batch_size
+    timed = [p for p in trainer.phases[cfg.warmup : n] if p[4] == full]
+    starts = trainer.phases[cfg.warmup : n + 1]
+    steps = [b[0] - a[0] for a, b in zip(starts, starts[1:]) if a[4] == full]
     extra = {}
     if trace:
         extra["trace"] = trace

@@ -123,13 +123,13 @@ def matmul_peak(sizes=(256, 512, 1024, 2048), repeats: int = 7, threads: int = 1
 
 def event_kind(name: str) -> str:
     """What a profiler event is: "backward" (autograd engine ops), "all_reduce" (the backend's
-    own all-reduce, e.g. ``gloo:all_reduce``, not c10d's Python-side op), "forward" (DDP's
-    forward), "optimizer" or "other"."""
+    own all-reduce, e.g. ``gloo:all_reduce``, on the backend's thread), "all_reduce_launch" (c10d's
+    ``c10d::allreduce_``, on the thread that launched it: DDP's hook, inside backward), "forward"
+    (DDP's forward), "optimizer" or "other"."""
     if name.startswith("autograd::engine::evaluate_function"):
         return "backward"
-    backend_op = ":" in name and not name.startswith("c10d::")
-    if backend_op and collective_name(name.rsplit(":", 1)[-1]) == "all_reduce":
-        return "all_reduce"
+    if ":" in name and collective_name(name.rsplit(":", 1)[-1]) == "all_reduce":
+        return "all_reduce_launch" if name.startswith("c10d::") else "all_reduce"
     if name == "DistributedDataParallel.forward":
         return "forward"
     return "optimizer" if name.startswith("Optimizer.step") else "other"

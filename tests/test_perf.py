@@ -340,7 +340,7 @@ def test_scaling_ratios_by_hand():
 
 @pytest.mark.timeout(240)
 def test_gloo_reduce_scatter_is_an_all_reduce(runs, no_leftovers):
-    """What chapters 07a and 09a say of gloo: its reduce_scatter_single all-reduces the whole input."""
+    """What chapters 07a and 09a say of gloo: reduce_scatter_single all-reduces the input."""
     jobs = {
         op: launch(
             workers.profiled_collective, workers.ProfiledCollectiveConfig(op=op), 2, runs_dir=runs

@@ -106,13 +106,11 @@ PAD_HINTS = {
 
 
 def gap_words(value, measured: int) -> str:
-    """How far a predicted byte count is from the measured one, in bytes and fp32 elements
-    (never the measured value itself)."""
+    """Which way a predicted byte count misses the measured one (never by how much, which would
+    give the answer away)."""
     if not isinstance(value, int):
         return f"{value!r} is not an int"
-    gap = abs(value - measured)
-    side = "short" if value < measured else "too many"
-    return f"{gap:,} B = {gap / 4:g} fp32 element{'s' * (gap != 4)} {side}"
+    return "too few bytes" if value < measured else "too many bytes"
 
 
 def padded_bytes(predicted: dict) -> None:

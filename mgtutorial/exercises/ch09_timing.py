@@ -123,24 +123,25 @@ def timing(fn) -> None:
             f"the clock stopped after timed call {k} before synchronize(): on a "
             f"GPU that times the enqueue ({FakeDevice.ENQUEUE_S:g} s here), not the work",
         )
-    want = statistics.median(timed)
+    robust = {"median": statistics.median(timed), "fastest call": min(timed)}
     require(
         isinstance(got, (int, float)),
         ex,
-        f"returned {got!r}: return the median, a float in seconds",
+        f"returned {got!r}: return the median (or the fastest call), a float in seconds",
     )
     mean = (
-        f": that is their mean; one slow repeat ({max(timed)} s) moved it, the median resists it"
+        ": that is their mean; one slow repeat moved it, the median and the minimum resist it"
         if close(got, statistics.mean(timed), rel=1e-9)
         else ""
     )
+    which = next((k for k, v in robust.items() if close(got, v, rel=1e-9)), None)
     require(
-        close(got, want, rel=1e-9),
+        which is not None,
         ex,
-        f"returned {got!r} s, not the median of the timed calls{mean}",
+        f"returned {got!r} s, neither the median nor the fastest of the timed calls{mean}",
     )
     passed(
         ex,
         "warm-up untimed and synchronized; barrier → clock → op → synchronize → clock per call; "
-        "median returned",
+        f"the {which} returned",
     )

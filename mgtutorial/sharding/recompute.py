@@ -27,11 +27,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from mgtutorial.sharding.memory import allocator_bytes
 
 Recompute = Literal["none", "full", "selective"]
-"""What backward recomputes: nothing; every block from its input (full); every op but the
-matmuls, whose outputs are kept (selective)."""
+"""What backward recomputes: nothing; every block from its input (full); everything but the
+widening matmul's output, which backward needs and costs the most to redo (selective)."""
 RECOMPUTE = get_args(Recompute)
 SAVED_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-"""The ops whose outputs selective recomputation keeps (the expensive ones)."""
+"""The matmul ops; :func:`keep_matmuls` keeps the output of those that widen the activation."""
 
 
 class MLPBlock(nn.Module):
@@ -46,8 +46,11 @@ class MLPBlock(nn.Module):
 
 
 def keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective policy: keep the matmuls' outputs, recompute everything else (here: gelu)."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective policy: keep the output of a matmul that widens the activation (w1, h → f: gelu's
+    input, which backward reads), recompute everything else (gelu, and w2, whose output backward
+    never reads). ``args[-1]`` is the matmul's (in, out) weight operand."""
+    widens = op in SAVED_OPS and args[-1].shape[-1] > args[-1].shape[0]
+    return CheckpointPolicy.MUST_SAVE if widens else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_recompute(blocks: list[nn.Module], mode: Recompute) -> list[nn.Module]:
@@ -69,10 +72,10 @@ def predicted_bytes(batch: int, h: int, f: int, blocks: int, mode: Recompute, el
 
     Per block, without recomputation: w1's input (the block's input, ``h``), gelu's input (``f``)
     and w2's input (``f``): ``batch·(h + 2f)``. Full: only each block's input, ``batch·h``.
-    Selective (matmul outputs kept, gelu recomputed from w1's output): the input, w1's and w2's
-    outputs, ``batch·(2h + f)``. The loss's scalar and the checkpoint's bookkeeping are left out.
+    Selective (w1's output kept, gelu's output recomputed from it): the block's input and w1's
+    output, ``batch·(h + f)``. The loss's scalar is left out.
     """
-    per_block = {"none": h + 2 * f, "full": h, "selective": 2 * h + f}
+    per_block = {"none": h + 2 * f, "full": h, "selective": h + f}
     if mode not in per_block:
         raise ValueError(f"mode={mode!r}: use one of {RECOMPUTE}.")
     return blocks * batch * per_block[mode] * elem

@@ -1,6 +1,7 @@
 """(c) of benchmarks/launch_and_scaling.py: the ceiling of 2-rank scaling and the scaling DDP
-reaches, by per-rank batch size (notebooks/09_performance.ipynb). Imported and run by
-launch_and_scaling.py (``--parts sweep``)."""
+reaches, by per-rank batch size (notebooks/09a_cost_model.ipynb and
+notebooks/09b_measurement.ipynb). Imported and run by launch_and_scaling.py (``--parts
+sweep``)."""
 
 from __future__ import annotations
 

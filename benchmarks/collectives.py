@@ -1,9 +1,9 @@
 """Collective sweep: all-reduce, all-gather, reduce-scatter, broadcast from 4 KiB to 64 MiB.
 
-Benchmark for notebooks/09_performance.ipynb. For each collective and size it reports nccl-tests'
-``algbw`` and ``busbw`` (bytes/s) and ``time_s`` (median over repeats of the slowest rank), and
-fits ``t = α + β·S`` per collective (:func:`mgtutorial.perf.costmodel.fit_alpha_beta`). Run, not
-asserted on::
+Benchmark for notebooks/09a_cost_model.ipynb and notebooks/09b_measurement.ipynb. For each
+collective and size it reports nccl-tests' ``algbw`` and ``busbw`` (bytes/s) and ``time_s`` (median
+over repeats of the slowest rank), and fits ``t = α + β·S`` per collective
+(:func:`mgtutorial.perf.costmodel.fit_alpha_beta`). Run, not asserted on::
 
     python benchmarks/collectives.py --out benchmarks/results/collectives.json    # 2 ranks, gloo
     python benchmarks/collectives.py --nprocs 2 4 --out /tmp/collectives.json     # also 4 ranks

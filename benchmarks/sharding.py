@@ -1,7 +1,7 @@
 """Bytes per rank and step time of DDP, ZeRO-1, ZeRO-2 (by hand) and FSDP2 (reshard after forward
 True / False) at N = 1, 2, 4 ranks, measured against the memory formula.
 
-Benchmark for notebooks/07_sharding.ipynb. Follows
+Benchmark for notebooks/07a_zero_memory.ipynb and notebooks/07b_fsdp2.ipynb. Follows
 https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html.
 
 Each N is one launch of :func:`mgtutorial.sharding.worker.worker` with the ``bench`` part

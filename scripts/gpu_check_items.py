@@ -671,7 +671,7 @@ def device_basics(w: Where) -> dict:
 
 @item(
     "fsdp2_memory",
-    chapter="07_sharding",
+    chapter="07b_fsdp2",
     min_gpus=1,
     timeout_s=150,
     what="fully_shard + MixedPrecisionPolicy(bf16, fp32 reduce), Adam: memory_allocated vs 16Ψ/N "
@@ -683,7 +683,7 @@ def fsdp2_memory(w: Where) -> dict:
 
 @item(
     "cuda_event_timing",
-    chapter="09_performance",
+    chapter="09a_cost_model",
     min_gpus=1,
     timeout_s=90,
     what="CUDA-event timing: matmul FLOP/s (fp32 without TF32, bf16), a training step; host time "
@@ -918,7 +918,7 @@ def pipeline_stages(w: Where) -> dict:
 
 @item(
     "allreduce_busbw",
-    chapter="09_performance",
+    chapter="09a_cost_model",
     min_gpus=2,
     timeout_s=150,
     what="NCCL all-reduce over 1 KiB … 256 MiB on all GPUs: time, algbw, busbw = algbw·2(n−1)/n",
@@ -940,7 +940,7 @@ def tp_parity(w: Where) -> dict:
 
 @item(
     "fsdp2_parity",
-    chapter="07_sharding",
+    chapter="07b_fsdp2",
     min_gpus=2,
     timeout_s=120,
     what="fully_shard on all GPUs, each rank on its part of the batch == one process on the whole "

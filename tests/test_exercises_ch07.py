@@ -19,7 +19,7 @@ HEADER = (
     "def zero1_clip_step(flat, flat_grad, shard, opt, ctx, max_norm):\n"
 )
 RS = """grad = torch.empty_like(shard)
-dist.reduce_scatter_tensor(grad, flat_grad)
+dist.reduce_scatter_single(grad, flat_grad)
 """
 AR = """dist.all_reduce(flat_grad)
 n = shard.numel()
@@ -35,14 +35,14 @@ grad = grad * (max_norm / (grad.norm() + 1e-6)).clamp(max=1)
 DIV = "grad = grad / ctx.world_size\n"
 STEP = """shard.grad = grad
 opt.step()
-dist.all_gather_into_tensor(flat, shard.detach().clone())
+dist.all_gather_single(flat, shard.detach().clone())
 """
 STEPS = {
     "unclipped": RS + DIV + STEP,
     "local_norm": RS + DIV + LOCAL + STEP,
     "clip_before_divide": RS + CLIP + DIV + STEP,
     "no_divide": RS + CLIP + STEP,
-    "no_gather": RS + DIV + CLIP + STEP.replace("dist.all_gather_into_tensor", "pass  #"),
+    "no_gather": RS + DIV + CLIP + STEP.replace("dist.all_gather_single", "pass  #"),
     "all_reduce_then_slice": AR + DIV + CLIP + STEP,
 }
 
@@ -67,7 +67,7 @@ def test_smallest_ranks_is_the_closed_form():
     ],
 )
 def test_fits_in_80gb_hints(guess, hint):
-    with pytest.raises(ExerciseError, match="^07.1 80 GB per rank: ") as err:
+    with pytest.raises(ExerciseError, match="^07a.1 80 GB per rank: ") as err:
         ch07.fits_in_80gb(guess)
     assert hint in err.value.hint
 
@@ -99,7 +99,7 @@ def test_zero1_clipped_variants(variant, hint, tmp_path, capsys, no_leftovers, m
             in capsys.readouterr().out
         )
         return
-    with pytest.raises(ExerciseError, match="^07.3 ZeRO-1 with clipping: ") as err:
+    with pytest.raises(ExerciseError, match="^07a.3 ZeRO-1 with clipping: ") as err:
         ch07.zero1_clipped()
     assert hint in err.value.hint
 
@@ -124,11 +124,12 @@ def test_padded_bytes_names_the_gap_not_the_measured_value(monkeypatch):
         ("zero3", 0): (1408, 704, 1408),
         ("zero3", 1): (1408, 704, 1408),
     }
-    with pytest.raises(ExerciseError, match="^07.2 padding: ") as err:
+    with pytest.raises(ExerciseError, match="^07a.2 padding: ") as err:
         ch07.padded_bytes(guess)
     assert (
-        "zero2 params: 4 B = 1 fp32 element short: " in err.value.hint
+        "zero2 params: too few bytes: " in err.value.hint
         and "1,408" not in err.value.hint
+        and "1408" not in err.value.hint
     )
 
 
@@ -176,6 +177,6 @@ def test_reshard_policy_state_and_mesh(body, hint, tmp_path, no_leftovers, monke
         "from torch.distributed.fsdp import fully_shard\n\n\n"
         "def shard_model(model, mesh):\n" + textwrap.indent(body, "    ") + "\n"
     )
-    with pytest.raises(ExerciseError, match="^07.4 reshard policy: ") as err:
+    with pytest.raises(ExerciseError, match="^07b.1 reshard policy: ") as err:
         ch07.reshard_policy(predicted={b: (b + 1, b - 1, b + 1) for b in (1, 2, 3)})
     assert hint in err.value.hint

@@ -37,11 +37,23 @@ CHAPTERS = (
     "05b_elastic_and_hangs",
     "06a_article_ddp",
     "06b_article_model_parallel",
-    "07_sharding",
+    "07a_zero_memory",
+    "07b_fsdp2",
     "08_tensor_parallel",
-    "09_performance",
+    "09a_cost_model",
+    "09b_measurement",
 )
 WITH_LIVE_PLOT = ("01_single_device", "02_ddp")
+ONE_SITTING = (
+    "07a_zero_memory",
+    "07b_fsdp2",
+    "08_tensor_parallel",
+    "09a_cost_model",
+    "09b_measurement",
+)
+"""Chapters held to one sitting as STYLE.md (17) counts it: ≤ 45 lesson cells, ≤ 2,500 words."""
+MAX_LESSON_CELLS, MAX_WORDS = 45, 2500
+WORD = re.compile(r"[A-Za-z0-9][\w'’-]*")
 MAX_LINES = 30
 MAX_CELLS = 47  # the lesson, up to the "## Exercises" heading
 MAX_EXERCISE_CELLS = 20
@@ -336,6 +348,39 @@ def test_notebook(path, check):
     nb = nbformat.read(path, as_version=4)
     problems = check(nb)
     assert not problems, f"{path.name}:\n  " + "\n  ".join(problems)
+
+
+def lesson_length(nb) -> tuple[int, int]:
+    """(cells, words) before the first Markdown cell whose text starts with a heading ending in
+    "Exercises"; words are the matches of :data:`WORD` in the lesson's Markdown cells."""
+    cells = nb.cells
+    start = next(
+        (
+            i
+            for i, c in enumerate(cells)
+            if c.cell_type == "markdown" and re.match(r"#+\s.*Exercises", c.source.strip())
+        ),
+        len(cells),
+    )
+    words = sum(len(WORD.findall(c.source)) for c in cells[:start] if c.cell_type == "markdown")
+    return start, words
+
+
+@pytest.mark.parametrize("name", ONE_SITTING)
+def test_one_sitting(name):
+    cells, words = lesson_length(nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4))
+    assert cells <= MAX_LESSON_CELLS and words <= MAX_WORDS, (
+        f"{name}: {cells} lesson cells (at most {MAX_LESSON_CELLS}), {words} words (at most "
+        f"{MAX_WORDS}): cut, or split the chapter"
+    )
+
+
+def test_one_sitting_check_can_fail():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("word " * (MAX_WORDS + 1))] + [
+        nbformat.v4.new_markdown_cell("## Exercises")
+    ]
+    assert lesson_length(nb) == (1, MAX_WORDS + 1)
 
 
 @pytest.mark.parametrize("name", WITH_LIVE_PLOT)

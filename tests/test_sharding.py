@@ -101,7 +101,7 @@ def test_bad_config_refused_before_launch(kw, nprocs, match, runs, no_leftovers)
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_checkpoint_of_another_shape_names_the_tensor(tmp_path):
     saved = model.make_model(ShardConfig(**CFG)).state_dict()
-    dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.save({"model": saved}, checkpoint_id=str(tmp_path), no_dist=True)
     wider = model.make_model(ShardConfig(**{**CFG, "width": 12}))
     with pytest.raises(ValueError, match=r"'blocks.0.lin.weight'.*\(10, 10\).*\(12, 12\)"):
         checkpoint.load_dcp(wider, tmp_path)
@@ -128,7 +128,7 @@ def two(tmp_path_factory, ckpt):
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory, ckpt, two):
-    cfg = ShardConfig(parts=["zero", "fsdp", "load"], checkpoint_dir=str(ckpt), **CFG)
+    cfg = ShardConfig(parts=["zero", "fsdp", "load", "practice"], checkpoint_dir=str(ckpt), **CFG)
     return launch(worker, cfg, 4, runs_dir=tmp_path_factory.mktemp("runs")).wait(timeout=400).values
 
 
@@ -247,11 +247,45 @@ def test_full_state_dict_loads_strictly_into_plain_model(two, ckpt, no_leftovers
 def test_dcp_saved_on_two_loads_on_four_and_in_one_process(four, ckpt, no_leftovers):
     for v in four.values():
         assert v["load"]["max_diff_before"] > 1e-2 and v["load"]["max_diff_after"] == 0.0
+    # resumed with the optimizer state: the run that never stopped; without it: not
+    assert four[0]["load"]["resumed_model_and_optimizer_vs_straight"] < 1e-6
+    assert four[0]["load"]["resumed_model_only_vs_straight"] > 1e-3
     one = model.make_model(ShardConfig(**{**CFG, "seed": 5}))
     checkpoint.load_dcp(one, ckpt / "dcp")
     torch.testing.assert_close(
         one.state_dict(), torch.load(ckpt / "full.pt", weights_only=True), rtol=0, atol=0
     )
+
+
+@pytest.mark.timeout(500)
+def test_accumulation_and_hsdp_count_their_collectives_and_equal_one_process(four, no_leftovers):
+    for v in four.values():
+        p, units = v["practice"], v["practice"]["blocks"] + 1
+        # 2 micro-batches: a reduce-scatter per unit per micro-batch, or only in the last one
+        assert p["sync_each"]["counts"]["reduce_scatter"] == 2 * units
+        assert p["sync_last"]["counts"]["reduce_scatter"] == units
+        # HSDP: gathers and reduce-scatters inside a replica, one all-reduce per unit across
+        assert p["hsdp"]["counts"] == {
+            "all_gather": units + units - 1,  # the root stays gathered for backward
+            "reduce_scatter": units,
+            "all_reduce": units,
+        }
+        assert p["hsdp"]["placements"] == "(Replicate(), Shard(dim=0))"
+        for name in ("sync_each", "sync_last", "hsdp"):
+            assert p[name]["max_diff"] < 1e-5, name
+        # without explicit prefetch a block's forward starts before the next block's all-gather;
+        # with it, the next all-gather is issued first (inside the previous block's pre-forward)
+        implicit, prefetch = p["timeline"]["implicit"], p["timeline"]["prefetch"]
+        assert implicit.index("fwd 1") < implicit.index("AG 1")
+        assert prefetch.index("fwd 0") < prefetch.index("AG 1") < prefetch.index("fwd 1")
+        # backward prefetches by default: block 1 is gathered before block 2's gradients reduce
+        again = prefetch.index("AG 1", prefetch.index("bwd 2"))  # block 1's backward all-gather
+        assert again < prefetch.index("RS 2")
+
+
+def test_practice_needs_four_ranks(runs, no_leftovers):
+    with pytest.raises(ValueError, match="even world size of at least 4"):
+        launch(worker, ShardConfig(parts=["practice"]), 2, runs_dir=runs)
 
 
 @pytest.mark.skipif(

@@ -20,7 +20,7 @@ def test_every_split_equals_unsplit_with_counted_collectives(runs, no_leftovers)
     values = launch(worker.worker, CFG, 2, runs_dir=runs).wait(timeout=90).values
     assert sorted(values) == [0, 1]
     for v in values.values():  # each rank compared its slices with assert_close; the largest gaps
-        splits = {k: x for k, x in v.items() if k != "pitfalls"}
+        splits = {k: x for k, x in v.items() if k not in ("pitfalls", "loss_parallel")}
         assert len(splits) == 6 and all(split["max_diff"] < 1e-5 for split in splits.values())
         one, two = {"all_reduce": 1}, {"all_reduce": 2}
         for name in ("hand_mlp", "hand_attention"):
@@ -48,6 +48,10 @@ def test_every_split_equals_unsplit_with_counted_collectives(runs, no_leftovers)
         assert placements["mlp.w2.bias"] == ["DTensor", ["Replicate()"], [CFG.h]]
         assert placements["mlp_norm.weight"] == ["Parameter", [], [CFG.h]]
         _assert_pitfalls(v["pitfalls"])
+        lp = v["loss_parallel"]  # the loss on vocabulary-sharded logits == one process's
+        assert lp["max_diff"] < 1e-5 and lp["logits_placements"] == ["S(2)"]
+        assert lp["local_logit_bytes"] * 2 == lp["full_logit_bytes"]  # never gathered whole
+        assert set(lp["counts"]) == {"all_reduce"}
 
 
 @pytest.mark.timeout(180)

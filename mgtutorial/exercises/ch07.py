@@ -1,7 +1,7 @@
-"""Checkers of chapter 07's exercises (notebooks/07_sharding.ipynb): how many ranks bring a 13 B
-model under 80 GB (07.1), per-rank bytes with padding (07.2), ZeRO-1's step with clipping by the
-global gradient norm (07.3, in :mod:`mgtutorial.exercises.ch07_zero`) and a per-block
-``reshard_after_forward`` policy (07.4, in :mod:`mgtutorial.exercises.ch07_fsdp`); all four are
+"""Checkers of chapter 07's exercises (notebooks/07a_zero_memory.ipynb): how many ranks bring a 13 B
+model under 80 GB (07a.1), per-rank bytes with padding (07a.2), ZeRO-1's step with clipping by the
+global gradient norm (07a.3, in :mod:`mgtutorial.exercises.ch07_zero`) and a per-block
+``reshard_after_forward`` policy (07b.1, in :mod:`mgtutorial.exercises.ch07_fsdp`); all four are
 reached as ``ex.ch07.<checker>``.
 """
 
@@ -55,14 +55,14 @@ def gigabytes(params: int, n: int, scheme: memory.Scheme) -> float:
 
 
 def fits_in_80gb(predicted: dict) -> None:
-    """07.1: ``predicted[scheme]`` is the smallest N that brings 13 B parameters under 80 GB per
+    """07a.1: ``predicted[scheme]`` is the smallest N that brings 13 B parameters under 80 GB per
     rank.
 
     ``scheme`` in "zero1", "zero2", "zero3"; the ZeRO paper's mixed precision (2 + 2 + 12 bytes
     per parameter), model states only. Verified with
     :func:`mgtutorial.sharding.memory.memory_per_rank`.
     """
-    ex, psi = "07.1 80 GB per rank", 13_000_000_000
+    ex, psi = "07a.1 80 GB per rank", 13_000_000_000
     for scheme in ("zero1", "zero2", "zero3"):
         guess = answered(predicted.get(scheme), ex, f"predicted[{scheme!r}]")
         truth = smallest_ranks(psi, scheme)
@@ -87,7 +87,7 @@ def fits_in_80gb(predicted: dict) -> None:
     passed(ex, "ZeRO-1 needs 6 ranks, ZeRO-2 4, ZeRO-3 3 (13 B parameters, 2 + 2 + 12 bytes each)")
 
 
-# --- 07.2 ---------------------------------------------------------------------------------------
+# --- 07a.2 ---------------------------------------------------------------------------------------
 
 PAD_HINTS = {
     ("zero2", "params"): "our ZeRO's full parameters are views of ONE flat buffer of N·⌈Ψ/N⌉ "
@@ -106,23 +106,21 @@ PAD_HINTS = {
 
 
 def gap_words(value, measured: int) -> str:
-    """How far a predicted byte count is from the measured one, in bytes and fp32 elements
-    (never the measured value itself)."""
+    """Which way a predicted byte count misses the measured one (never by how much, which would
+    give the answer away)."""
     if not isinstance(value, int):
         return f"{value!r} is not an int"
-    gap = abs(value - measured)
-    side = "short" if value < measured else "too many"
-    return f"{gap:,} B = {gap / 4:g} fp32 element{'s' * (gap != 4)} {side}"
+    return "too few bytes" if value < measured else "too many bytes"
 
 
 def padded_bytes(predicted: dict) -> None:
-    """07.2: ``predicted[(scheme, rank)] = (params, grads, optimizer)`` bytes, ``width=12`` on 2
+    """07a.2: ``predicted[(scheme, rank)] = (params, grads, optimizer)`` bytes, ``width=12`` on 2
     ranks.
 
     Keys ``("zero2", 0)``, ``("zero3", 0)``, ``("zero3", 1)``. Launches the chapter's worker
     (parts "zero" and "fsdp") and compares every integer with the bytes the ranks measured.
     """
-    ex, parts = "07.2 padding", ("params", "grads", "optimizer")
+    ex, parts = "07a.2 padding", ("params", "grads", "optimizer")
     keys = (("zero2", 0), ("zero3", 0), ("zero3", 1))
     for key in keys:
         guess = answered(predicted.get(key), ex, f"predicted[{key!r}]")

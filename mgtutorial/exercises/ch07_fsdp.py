@@ -1,4 +1,4 @@
-"""Checker of chapter 07's exercise 07.4 (notebooks/07_sharding.ipynb): a per-block
+"""Checker of chapter 07's exercise 07b.1 (notebooks/07b_fsdp2.ipynb): a per-block
 ``reshard_after_forward`` policy, its state after forward and its collectives, reached as
 ``ex.ch07.reshard_policy``.
 
@@ -32,7 +32,7 @@ from mgtutorial.sharding.worker import ShardConfig
 
 
 def asked_policy(net: nn.Module, mesh) -> nn.Module:
-    """07.4's policy: every block but the last resharded after forward, the last kept, the root
+    """07b.1's policy: every block but the last resharded after forward, the last kept, the root
     at its default."""
     last = len(net.blocks) - 1
     for i, block in enumerate(net.blocks):
@@ -87,7 +87,7 @@ def policy_worker(cfg: FileWorkerConfig) -> dict:
 
 
 def not_sharded_hint(b: int, yours: dict) -> str:
-    """What 07.4 says when a parameter is a plain tensor or on a mesh of its own."""
+    """What 07b.1 says when a parameter is a plain tensor or on a mesh of its own."""
     if yours["plain"]:
         return (
             f"with B = {b}, {yours['plain'][0]} is not sharded (not a DTensor): fully_shard "
@@ -102,7 +102,7 @@ def not_sharded_hint(b: int, yours: dict) -> str:
 
 
 def reshard_policy(path: str = "ex07_fsdp.py", predicted: dict | None = None) -> None:
-    """07.4: ``shard_model(model, mesh)`` in ``path`` applies the asked policy; ``predicted[B]``
+    """07b.1: ``shard_model(model, mesh)`` in ``path`` applies the asked policy; ``predicted[B]``
     its counts.
 
     ``predicted[B] = (all-gathers in forward, all-gathers in backward, reduce-scatters)`` per step
@@ -110,7 +110,7 @@ def reshard_policy(path: str = "ex07_fsdp.py", predicted: dict | None = None) ->
     :func:`asked_policy`: every parameter a DTensor on the given mesh, which units are still
     gathered after forward, and the collectives counted with ``CommDebugMode``.
     """
-    ex, predicted = "07.4 reshard policy", predicted or {}
+    ex, predicted = "07b.1 reshard policy", predicted or {}
     for b in (1, 2, 3):
         guess = answered(predicted.get(b), ex, f"predicted[{b}]")
         require(
@@ -145,15 +145,16 @@ def reshard_policy(path: str = "ex07_fsdp.py", predicted: dict | None = None) ->
             mine["counts"] == asked["counts"],
             ex,
             f"with B = {b} blocks, your shard_model runs {mine['counts']} "
-            f"(all-gathers forward, backward, reduce-scatters), the asked "
-            f"policy {asked['counts']}: fully_shard each block once, then the root",
+            "(all-gathers forward, backward, reduce-scatters), not what the asked policy runs: "
+            "fully_shard each block once, then the root",
         )
         for name, guess, truth in zip(names, predicted[b], asked["counts"]):
             require(
                 guess == truth,
                 ex,
-                f"with B = {b} blocks, {name}: {truth} counted, you predicted {guess}: "
-                "backward gathers again only the units resharded after forward",
+                f"with B = {b} blocks, {name}: you predicted {guess}, "
+                f"{'too many' if guess > truth else 'too few'}: backward gathers again only the "
+                "units resharded after forward",
             )
     passed(
         ex,

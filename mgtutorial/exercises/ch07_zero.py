@@ -1,4 +1,4 @@
-"""Checker of chapter 07's exercise 07.3 (notebooks/07_sharding.ipynb): ZeRO-1's step with its
+"""Checker of chapter 07's exercise 07a.3 (notebooks/07a_zero_memory.ipynb): ZeRO-1's step with its
 gradients clipped by the global norm, reached as ``ex.ch07.zero1_clipped``.
 
 The rank-side worker takes a :class:`~mgtutorial.exercises._common.FileWorkerConfig`: it imports
@@ -158,7 +158,7 @@ def mistake(values: dict, max_norm: float) -> str | None:
 
 
 def zero1_clipped(path: str = "ex07_zero.py", max_norm: float = 1.5) -> None:
-    """07.3: ``zero1_clip_step(flat, flat_grad, shard, opt, ctx, max_norm)`` in ``path``: ZeRO-1
+    """07a.3: ``zero1_clip_step(flat, flat_grad, shard, opt, ctx, max_norm)`` in ``path``: ZeRO-1
     with clipping.
 
     ``flat`` (N·S,) the padded flat parameters, ``flat_grad`` (N·S,) this rank's gradients,
@@ -169,7 +169,7 @@ def zero1_clipped(path: str = "ex07_zero.py", max_norm: float = 1.5) -> None:
     parameters against one process (``clip_grad_norm_`` + AdamW) and the collectives of each
     step (``CommDebugMode``).
     """
-    ex = "07.3 ZeRO-1 with clipping"
+    ex = "07a.3 ZeRO-1 with clipping"
     function_from(path, "zero1_clip_step", ex)  # a missing file or function: before any rank
     cfg = FileWorkerConfig(
         path=str(Path(path).resolve()),

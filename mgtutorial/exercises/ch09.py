@@ -1,12 +1,12 @@
-"""Checkers of chapter 09's exercises (notebooks/09_performance.ipynb): bus bandwidth (09.1), the
-exposed all-reduce of a DDP step (09.2), DDP's buckets for a tiny cap (09.3, in
-:mod:`mgtutorial.exercises.ch09_buckets`), a timing function that is right on a GPU (09.4, in
-:mod:`mgtutorial.exercises.ch09_timing`) and the explorer's question (09.5); all five are reached
-as ``ex.ch09.<checker>``.
+"""Checkers of chapter 09's exercises: in notebooks/09a_cost_model.ipynb bus bandwidth (09a.1), a
+timing function that is right on a GPU (09a.2, in :mod:`mgtutorial.exercises.ch09_timing`) and the
+explorer's question (09a.3); in notebooks/09b_measurement.ipynb the exposed all-reduce of a DDP step
+(09b.1) and DDP's buckets for a tiny cap (09b.2, in :mod:`mgtutorial.exercises.ch09_buckets`); all
+five are reached as ``ex.ch09.<checker>``.
 
-Nothing here asserts on a measured duration: 09.1, 09.2 and 09.5 compare with
-:mod:`mgtutorial.perf.costmodel` and :mod:`mgtutorial.perf.scaling`, 09.3 with the buckets a real
-DDP run reports; 09.4 runs the learner's timing function against a simulated device with a fake
+Nothing here asserts on a measured duration: 09a.1, 09a.3 and 09b.1 compare with
+:mod:`mgtutorial.perf.costmodel` and :mod:`mgtutorial.perf.scaling`, 09b.2 with the buckets a real
+DDP run reports; 09a.2 runs the learner's timing function against a simulated device with a fake
 clock, whose every call is recorded.
 """
 
@@ -34,31 +34,31 @@ __all__ = [
     "timing",
 ]
 
-# --- 09.1 ---------------------------------------------------------------------------------------
+# --- 09a.1 ---------------------------------------------------------------------------------------
 
 WHY = {
-    "all_reduce": "a ring all-reduce (a reduce-scatter, then an all-gather) sends 2(n − 1)/n of "
-    "the buffer from each rank",
-    "all_gather": "each rank receives the n − 1 chunks it lacks: (n − 1)/n of the output",
-    "reduce_scatter": "each rank sends the n − 1 chunks it does not keep: (n − 1)/n of the input",
-    "broadcast": "a pipelined broadcast passes the whole buffer along every link once: factor 1",
+    "all_reduce": "a ring all-reduce is a reduce-scatter then an all-gather: count the chunks "
+    "each rank sends in both halves",
+    "all_gather": "count the chunks each rank must receive, against the output's size",
+    "reduce_scatter": "count the chunks each rank must send, against the input's size",
+    "broadcast": "a pipelined broadcast passes the buffer along each link: how many times?",
 }
 
 
 def busbw(fn) -> None:
-    """09.1: ``fn(algbw, op, n) -> float``, the bus bandwidth (B/s) of ``op`` (one of
+    """09a.1: ``fn(algbw, op, n) -> float``, the bus bandwidth (B/s) of ``op`` (one of
     :data:`mgtutorial.perf.costmodel.COLLECTIVES`) on ``n`` ranks; compared with
     :func:`mgtutorial.perf.costmodel.busbw` for n = 4, 8, 2, 3, 1 and every collective."""
-    ex = "09.1 busbw"
+    ex = "09a.1 busbw"
     algbw = 1e9
     for n in (4, 8, 2, 3, 1):
         for op in costmodel.COLLECTIVES:
             got, want = attempt(ex, fn, algbw, op, n), costmodel.busbw(op, algbw, 1.0, n)
+            direction = "too large" if got > want else "too small"
             require(
                 close(got, want, rel=1e-9),
                 ex,
-                f"busbw(1e9, {op!r}, n={n}) returned {got!r}, expected "
-                f"{want:.4g} (factor {costmodel.bus_factor(op, n):.4g}): {WHY[op]}",
+                f"busbw(1e9, {op!r}, n={n}) returned {got!r}, {direction}: {WHY[op]}",
             )
     passed(
         ex,
@@ -67,22 +67,22 @@ def busbw(fn) -> None:
     )
 
 
-# --- 09.2 ---------------------------------------------------------------------------------------
+# --- 09b.1 ---------------------------------------------------------------------------------------
 
-STEP = dict(fwd_s=2e-3, bwd_s=5e-3, opt_s=1e-3, alpha=400e-6, beta=0.66e-9)
-"""The step of 09.2: forward, backward, optimizer (s), the all-reduce's α (s) and β (s/byte)."""
+STEP = dict(fwd_s=1e-3, bwd_s=2e-3, opt_s=1e-3, alpha=400e-6, beta=0.66e-9)
+"""The step of 09b.1: forward, backward, optimizer (s), the all-reduce's α (s) and β (s/byte)."""
 BUCKETS = [1608488, 9728]
-"""09.2's two buckets (bytes): fc2 + fc1, then conv1 (the chapter's CNN, default caps)."""
+"""09b.1's two buckets (bytes): fc2 + fc1, then conv1 (the chapter's CNN, default caps)."""
 READY = [0.3, 1.0]
 """Fraction of backward done when each of :data:`BUCKETS` is ready."""
 
 
 def exposed(answers: dict) -> None:
-    """09.2: ``answers`` = {"one bucket", "two buckets": exposed all-reduce time (s)} for the step
+    """09b.1: ``answers`` = {"one bucket", "two buckets": exposed all-reduce time (s)} for the step
     of :data:`STEP` with all gradients (``sum(BUCKETS)`` bytes) in one bucket, and with
     :data:`BUCKETS` ready at :data:`READY`; compared with
     :func:`mgtutorial.perf.costmodel.ddp_step_time`."""
-    ex = "09.2 exposed all-reduce"
+    ex = "09b.1 exposed all-reduce"
     a, b = STEP["alpha"], STEP["beta"]
     cases = {"one bucket": ([sum(BUCKETS)], [1.0]), "two buckets": (BUCKETS, READY)}
     for name, (sizes, ready) in cases.items():
@@ -98,7 +98,12 @@ def exposed(answers: dict) -> None:
         elif close(guess, comm, rel=1e-6):
             why = (
                 "that is all of the communication: bucket 0 is ready at 30 % of backward and "
-                "hides behind the rest"
+                "starts then"
+            )
+        elif name == "two buckets" and close(guess, a + b * BUCKETS[1], rel=1e-6):
+            why = (
+                "that is the last bucket alone, as if it started at backward's end: does "
+                "bucket 0 finish before backward does?"
             )
         elif close(guess, want * 1e3, rel=1e-6):
             why = "seconds, not ms: 1 ms = 1e-3 s"
@@ -107,11 +112,16 @@ def exposed(answers: dict) -> None:
                 "a bucket starts when it is ready and the previous one is done; what lies after "
                 "backward's end is exposed"
             )
-        require(False, ex, f'answers["{name}"] = {guess!r} s, the model gives {want:.6g} s: {why}')
-    passed(ex, "one bucket exposes all of α + β·S; two buckets expose only the last one's α + β·S")
+        direction = "too large" if guess > want else "too small"
+        require(False, ex, f'answers["{name}"] = {guess!r} s is {direction}: {why}')
+    passed(
+        ex,
+        "one bucket exposes all of α + β·S; with two, bucket 0 runs past backward's end and the "
+        "last one waits for it",
+    )
 
 
-# --- 09.5 ---------------------------------------------------------------------------------------
+# --- 09a.3 ---------------------------------------------------------------------------------------
 
 
 def explorer_efficiency(ports: int = 1, link_gbs: float | None = None) -> float:
@@ -123,12 +133,16 @@ def explorer_efficiency(ports: int = 1, link_gbs: float | None = None) -> float:
     return scaling.predict_step("ddp", model, 64, 2048, hw, link_bw=link_bw)["efficiency"]
 
 
+PORTS_TARGET = 0.75
+"""09a.3's efficiency for the port count (no count up to 8 reaches 0.9 with fp32 gradients)."""
+
+
 def explorer(ports=..., link_gbs=...) -> None:
-    """09.5: ``ports`` (int), the fewest InfiniBand ports per node with predicted efficiency ≥ 0.9,
-    and ``link_gbs`` (float, GB/s), the bandwidth of every link below which it drops under 0.9
-    (within 1 %), in the explorer's initial setting; compared with
+    """09a.3: ``ports`` (int), the fewest InfiniBand ports per node with predicted efficiency ≥
+    :data:`PORTS_TARGET`, and ``link_gbs`` (float, GB/s), the bandwidth of every link below which
+    it drops under 0.9 (within 1 %), in the explorer's initial setting; compared with
     :func:`mgtutorial.perf.scaling.predict_step`."""
-    ex = "09.5 explorer"
+    ex = "09a.3 explorer"
     ports, link_gbs = answered(ports, ex, "ports"), answered(link_gbs, ex, "link_gbs")
     require(
         isinstance(ports, int) and 1 <= ports <= 8,
@@ -137,12 +151,13 @@ def explorer(ports=..., link_gbs=...) -> None:
     )
     eff = explorer_efficiency(ports=ports)
     require(
-        eff >= 0.9,
+        eff >= PORTS_TARGET,
         ex,
-        f"with {ports} port(s) per node the predicted efficiency is {eff:.0%}, below 90 %",
+        f"with {ports} port(s) per node the predicted efficiency is {eff:.0%}, below "
+        f"{PORTS_TARGET:.0%}",
     )
     require(
-        ports == 1 or explorer_efficiency(ports=ports - 1) < 0.9,
+        ports == 1 or explorer_efficiency(ports=ports - 1) < PORTS_TARGET,
         ex,
         f"{ports - 1} port(s) already give "
         f"{explorer_efficiency(ports=ports - 1):.0%}: look for fewer",
@@ -165,6 +180,6 @@ def explorer(ports=..., link_gbs=...) -> None:
     )
     passed(
         ex,
-        f"{ports} ports per node keep DDP at ≥ 90 % on 64 GPUs; every link at ≥ {hi:.0f} GB/s "
-        "does too",
+        f"{ports} ports per node keep DDP at ≥ {PORTS_TARGET:.0%} on 64 GPUs (8 reach "
+        f"{explorer_efficiency(ports=8):.0%}); every link at ≥ {hi:.0f} GB/s keeps it at ≥ 90 %",
     )

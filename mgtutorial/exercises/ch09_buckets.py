@@ -1,4 +1,4 @@
-"""Checker of chapter 09's exercise 09.3 (notebooks/09_performance.ipynb): the buckets DDP
+"""Checker of chapter 09's exercise 09b.2 (notebooks/09b_measurement.ipynb): the buckets DDP
 all-reduces for a tiny ``bucket_cap_mb``, reached as ``ex.ch09.buckets``.
 
 The prediction is compared with step 2 of a real 2-rank DDP run (chapter 03b's counting hook,
@@ -17,7 +17,7 @@ from mgtutorial.perf import costmodel
 from mgtutorial.runtime import runlog
 
 CAP_MB = 0.0001
-"""09.3's ``bucket_cap_mb``."""
+"""09b.2's ``bucket_cap_mb``."""
 
 
 def _ddp_buckets() -> tuple[list[int], list[int]]:
@@ -27,7 +27,7 @@ def _ddp_buckets() -> tuple[list[int], list[int]]:
     cfg = overlap.HooksConfig(
         bucket_cap_mb=CAP_MB, max_steps=2, epochs=1, dataset="digits", evaluate=False, batch_size=8
     )
-    result = run_ranks("09.3 buckets", overlap.hooks_worker, cfg, 2, name="buckets")
+    result = run_ranks("09b.2 buckets", overlap.hooks_worker, cfg, 2, name="buckets")
     steps = [r for r in runlog.of_kind(runlog.read_run(result.run_dir), "sync") if r["rank"] == 0]
     return tuple([4 * n for n in steps[i]["bucket_sizes"]] for i in (0, -1))  # float32: 4 bytes
 
@@ -54,11 +54,11 @@ def _layouts(cap_bytes: int, backward: bool = True) -> list[list[int]]:
 
 
 def buckets(cap_bytes: int, predicted=...) -> None:
-    """09.3: ``cap_bytes`` (``bucket_cap_mb=0.0001`` in bytes, as DDP rounds it) and ``predicted``
+    """09b.2: ``cap_bytes`` (``bucket_cap_mb=0.0001`` in bytes, as DDP rounds it) and ``predicted``
     (list of ints), the bytes of each bucket DDP all-reduces per step for ``models.ArticleCNN()``
     once it has rebuilt its buckets, in order. Compared with step 2 of a real 2-rank DDP run; the
     weight and bias of a layer may come in either order."""
-    ex = "09.3 buckets"
+    ex = "09b.2 buckets"
     require(
         cap_bytes == int(CAP_MB * 1024 * 1024),
         ex,

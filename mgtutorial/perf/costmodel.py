@@ -1,13 +1,16 @@
 """What communication costs (chapter 09): bandwidths, the α–β fit, ring time, DDP's buckets and
 the step time they leave exposed, and the links of a GPU cluster.
 
-Taught in notebooks/09_performance.ipynb, sections 2, 4 and 7. Pure arithmetic (no process group,
-no timing), so the tests check every function on hand-computed cases. Follows nccl-tests'
-definitions of algorithm and bus bandwidth
-(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md), the α–β
-(latency–bandwidth) model of collectives and https://pytorch.org/docs/stable/notes/ddp.html
-(buckets, overlap). FLOPs, MFU and the predicted step of a transformer on a cluster are in
-:mod:`mgtutorial.perf.scaling`.
+Taught in notebooks/09a_cost_model.ipynb (sections 2 and 4) and notebooks/09b_measurement.ipynb
+(section 1). Pure arithmetic (no process group, no timing), so the tests check every function on
+hand-computed cases. Follows nccl-tests' definitions of algorithm and bus bandwidth
+(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md), the α–β (latency–bandwidth)
+model of collectives and https://pytorch.org/docs/stable/notes/ddp.html (buckets, overlap). FLOPs,
+MFU and the predicted step of a transformer on a cluster are in :mod:`mgtutorial.perf.scaling`.
+
+:class:`Dtypes` is the one table of which dtype each kind of tensor has (parameters, the copy the
+matmuls use, gradients as reduced, optimizer state, activations); chapters 07 (memory), 08 (what TP
+moves) and 09 (the step on a cluster) all price bytes from it.
 
 Units: bytes, seconds; bandwidths in bytes per second.
 """
@@ -20,6 +23,63 @@ from typing import Literal, get_args
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 """The collectives the chapter times and models (nccl-tests' names)."""
 COLLECTIVES = get_args(Collective)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of the dtypes the course prices."""
+TensorKind = Literal["params", "compute", "grads", "optimizer", "activations"]
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """The dtype of each kind of tensor in one training recipe (names of :data:`DTYPE_BYTES`).
+
+    One table for chapters 07–09: memory per rank (07), TP's activation traffic (08), DDP's and
+    FSDP2's gradient and parameter traffic (09) are all priced with :meth:`nbytes`.
+    """
+
+    name: str
+    params: str = "float32"
+    """Parameters as held between steps (FSDP2's sharded parameters: the master copy)."""
+    compute: str = "float32"
+    """Parameters as the matmuls use them (FSDP2's ``param_dtype``, what its all-gather moves)."""
+    grads: str = "float32"
+    """Gradients as held and reduced (DDP's buckets, FSDP2's ``reduce_dtype``)."""
+    optimizer: tuple[str, ...] = ("float32", "float32")
+    """Adam(W)'s state per parameter: ``exp_avg``, ``exp_avg_sq`` (and an fp32 master copy when
+    ``params`` is not fp32)."""
+    activations: str = "float32"
+    """Activations (what TP all-reduces, what backward keeps)."""
+
+    def nbytes(self, kind: TensorKind) -> int:
+        """Bytes per element (per parameter for "optimizer": all its states together)."""
+        if kind == "optimizer":
+            return sum(DTYPE_BYTES[d] for d in self.optimizer)
+        return DTYPE_BYTES[getattr(self, kind)]
+
+    @property
+    def per_param(self) -> tuple[int, int, int]:
+        """Bytes per parameter held between steps: (params, grads, optimizer state)."""
+        return self.nbytes("params"), self.nbytes("grads"), self.nbytes("optimizer")
+
+
+FP32 = Dtypes("fp32")
+"""Everything float32: 4 + 4 + 8 bytes per parameter."""
+BF16_FP32_REDUCE = Dtypes(
+    "bf16 compute, fp32 parameters and gradients", compute="bfloat16", activations="bfloat16"
+)
+"""DDP under ``torch.autocast(dtype=bfloat16)`` (fp32 parameters, so fp32 gradients all-reduced)
+and FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (bf16
+all-gather, fp32 reduce-scatter, fp32 shards at rest): 4 + 4 + 8 bytes per parameter held."""
+ZERO_MIXED = Dtypes(
+    "the ZeRO paper's mixed precision",
+    params="bfloat16",
+    compute="bfloat16",
+    grads="bfloat16",
+    optimizer=("float32", "float32", "float32"),
+    activations="bfloat16",
+)
+"""The ZeRO paper's accounting (§3): 2 + 2 + 12 bytes per parameter (bf16/fp16 parameters and
+gradients, an fp32 master copy and Adam's two states)."""
 
 
 def bus_factor(op: Collective, n: int) -> float:
@@ -186,12 +246,21 @@ class Hardware:
     """Network ports per node, each at ``inter_bw``. NCCL runs one ring (channel) per port and
     each ring leaves a node once, so the ports share a ring collective's inter-node traffic."""
 
-    def ring_bw(self, n_gpus: int) -> float:
-        """Bus bandwidth (B/s per direction) of a ring over ``n_gpus``: ``intra_bw`` inside a node;
-        beyond, ``min(intra_bw, nics_per_node × inter_bw)`` (the node's ports together)."""
-        if n_gpus <= self.gpus_per_node:
+    def ring_bw(self, n_gpus: int, per_node: int | None = None) -> float:
+        """Bus bandwidth (B/s per direction) of a ring over ``n_gpus``, ``per_node`` of them in
+        each node (default: as many as fit, ``min(n_gpus, gpus_per_node)``).
+
+        Inside one node: ``intra_bw``. Across nodes, each ring leaves every node once and the
+        node's ports are shared by the ``gpus_per_node / per_node`` groups that communicate at
+        the same time (e.g. the 8 data-parallel groups of a TP = 8 layout): ``min(intra_bw,
+        nics_per_node × inter_bw × per_node / gpus_per_node)``. The one model of the links for
+        chapters 08 and 09: a whole DGX H100 node reaches 8 × 50 GB/s, a group with one GPU per
+        node 50 GB/s, and with one port per node 1/8 of that.
+        """
+        if n_gpus <= self.gpus_per_node and per_node in (None, n_gpus):
             return self.intra_bw
-        return min(self.intra_bw, self.nics_per_node * self.inter_bw)
+        k = min(n_gpus, self.gpus_per_node) if per_node is None else per_node
+        return min(self.intra_bw, self.nics_per_node * self.inter_bw * k / self.gpus_per_node)
 
 
 H100 = Hardware(

@@ -1,8 +1,8 @@
 """What compute costs and how a step scales (chapter 09): FLOPs of the chapter's CNN, MFU, the
 measured 2-rank scaling ratios, and the predicted step of a transformer on a GPU cluster.
 
-Taught in notebooks/09_performance.ipynb, sections 3, 4 and 7. Pure arithmetic, like
-:mod:`mgtutorial.perf.costmodel`, whose ring times and hardware
+Taught in notebooks/09a_cost_model.ipynb (sections 3 and 4) and notebooks/09b_measurement.ipynb
+(section 1). Pure arithmetic, like :mod:`mgtutorial.perf.costmodel`, whose ring times and hardware
 (:data:`~mgtutorial.perf.costmodel.H100`) the predictions use. Follows the MFU definition of the
 PaLM paper (Chowdhery et al. 2022, appendix B) and the FLOP counts of
 ``torch.utils.flop_counter.FlopCounterMode`` (2 per multiply-add).
@@ -12,11 +12,12 @@ Units: FLOPs, seconds, bytes; bandwidths in bytes per second.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 from mgtutorial.common.models import cnn_flatten_size, conv_out_size
-from mgtutorial.perf.costmodel import H100, Hardware, ring_time
+from mgtutorial.perf.costmodel import BF16_FP32_REDUCE, H100, Dtypes, Hardware, ring_time
 
 Strategy = Literal["ddp", "fsdp2", "tp"]
 """What :func:`predict_step` predicts: data parallelism, fully sharded, tensor parallelism."""
@@ -39,13 +40,26 @@ def train_flops(forward_flops: float) -> float:
     return 3 * forward_flops
 
 
-def mfu(params: float, tokens: float, seconds: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation: ``6·Ψ·tokens / (seconds · peak)`` (Ψ = parameters).
+def model_flops_per_token(params: float, layers: int = 0, hidden: int = 0, seq: int = 0) -> float:
+    """The PaLM paper's model FLOPs per token (Chowdhery et al. 2022, appendix B):
+    ``6·Ψ + 12·L·H·Q·T``: 6Ψ for the weight matmuls (2Ψ forward, 4Ψ backward) plus attention's
+    scores and weighted sum (H·Q = ``hidden``, T = ``seq``), forward and backward. Recomputation
+    is *not* counted: a recomputed forward is hardware FLOPs (HFU), not model FLOPs (MFU)."""
+    return 6 * params + 12 * layers * hidden * seq
 
-    6Ψ per token = 2Ψ forward + 4Ψ backward; it leaves out attention's score FLOPs and any
-    recomputation, which is why it is a *model* (not hardware) FLOP count.
-    """
-    return 6 * params * tokens / (seconds * peak_flops)
+
+def mfu(
+    params: float,
+    tokens: float,
+    seconds: float,
+    peak_flops: float,
+    attention_flops_per_token: float = 0.0,
+) -> float:
+    """Model FLOPs utilisation: ``(6·Ψ + attention) · tokens / (seconds · peak)`` (Ψ =
+    parameters; ``attention_flops_per_token`` = 12·L·h·s for PaLM's definition, see
+    :func:`model_flops_per_token`; 0 leaves attention out). ``peak_flops`` must be a rate the
+    hardware cannot beat, or MFU can pass 100 %."""
+    return (6 * params + attention_flops_per_token) * tokens / (seconds * peak_flops)
 
 
 def article_cnn_flops(
@@ -89,43 +103,63 @@ def predict_step(
     hw: Hardware = H100,
     link_bw: float | None = None,
     efficiency: float = 0.5,
-    bytes_per_value: int = 2,
+    bytes_per_value: int | None = None,
+    dtypes: Dtypes = BF16_FP32_REDUCE,
+    tp_degree: int | None = None,
 ) -> dict:
     """Predicted step time of ``strategy`` ("ddp" | "fsdp2" | "tp") on ``n_gpus`` (a *prediction*).
 
     Compute: ``6·Ψ·tokens_per_gpu / (peak · efficiency)`` (``efficiency``: the fraction of peak the
-    kernels reach). Communication (bf16, ring, :func:`ring_time`) at ``link_bw`` if given, else
-    :meth:`Hardware.ring_bw` (NVLink inside a node; beyond, the node's InfiniBand ports together).
-    Overlap is taken as perfect, an optimistic bound (the last bucket or shard cannot hide):
+    kernels reach). Communication: ring collectives (:func:`ring_time`) at ``link_bw`` if given,
+    else :meth:`Hardware.ring_bw`; bytes per element from ``dtypes`` (default: bf16 compute, fp32
+    gradients, as chapter 07's ``MixedPrecisionPolicy(reduce_dtype=float32)`` and DDP under
+    autocast); ``bytes_per_value`` if given prices every tensor at that size instead. Overlap is
+    taken as perfect, an optimistic bound (the last bucket or shard cannot hide):
 
-    * ddp: one all-reduce of the 2Ψ gradient bytes, as if it could start when backward starts and
-      hide behind all of it (⅔ of compute);
-    * fsdp2: all-gather of the parameters in forward and again in backward, reduce-scatter of the
-      gradients: 3 × (n−1)/n × 2Ψ bytes, prefetched, so overlapped with all of compute;
-    * tp: per block 4 all-reduces of the activations (tokens × hidden × 2 bytes: 2 in forward,
-      2 in backward, Megatron's f/g) on the critical path, not overlapped.
+    * ddp: one all-reduce of the gradients (Ψ · grads bytes), as if it could start when backward
+      starts and hide behind all of it (⅔ of compute);
+    * fsdp2: all-gather of the parameters (compute dtype) in forward and again in backward,
+      reduce-scatter of the gradients (grads dtype), prefetched, so overlapped with all of compute;
+    * tp: chapter 08's 2-D layout: TP of degree ``tp_degree`` (default ``min(n_gpus,
+      gpus_per_node)``, inside a node) × FSDP2 over the ``n_gpus / tp`` data-parallel ranks (one
+      GPU per node each, so the node's ports are shared by ``tp`` groups). Per block 4 all-reduces
+      of the TP group's activations (tokens × hidden, activations dtype) on the critical path;
+      FSDP2's traffic on Ψ/tp parameters overlapped with compute.
 
     Returns a dict: ``compute``, ``comm``, ``exposed``, ``step`` (s), ``efficiency`` = compute/step
-    (the scaling efficiency against one GPU doing the same per-GPU work without communication).
+    (the scaling efficiency against one GPU doing the same per-GPU work without communication);
+    for "tp" also ``tp`` and ``dp`` (the degrees).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not 'ddp', 'fsdp2' or 'tp'.")
     if n_gpus < 1:
         raise ValueError(f"n_gpus={n_gpus}: need at least 1.")
-    bw = link_bw or hw.ring_bw(n_gpus)
+
+    def size(kind: str) -> int:
+        return bytes_per_value or dtypes.nbytes(kind)
+
+    def bw(n: int, per_node: int | None = None) -> float:
+        return link_bw or hw.ring_bw(n, per_node)
+
     compute = 6 * model.params * tokens_per_gpu / (hw.peak_flops * efficiency)
-    grad_bytes = bytes_per_value * model.params
+    out: dict = {}
     if strategy == "ddp":
-        comm = ring_time("all_reduce", grad_bytes, n_gpus, bw, hw.latency)
+        comm = ring_time("all_reduce", size("grads") * model.params, n_gpus, bw(n_gpus), hw.latency)
         exposed = max(0.0, comm - compute * 2 / 3)
     elif strategy == "fsdp2":
-        gather = ring_time("all_gather", grad_bytes, n_gpus, bw, hw.latency)
-        comm = 2 * gather + ring_time("reduce_scatter", grad_bytes, n_gpus, bw, hw.latency)
+        comm = fsdp_time(model.params, n_gpus, bw(n_gpus), hw.latency, size)
         exposed = max(0.0, comm - compute)
     else:
-        act_bytes = bytes_per_value * tokens_per_gpu * n_gpus * model.hidden
-        comm = 4 * model.layers * ring_time("all_reduce", act_bytes, n_gpus, bw, hw.latency)
-        exposed = comm
+        tp = tp_degree or min(n_gpus, hw.gpus_per_node)
+        if n_gpus % tp:
+            raise ValueError(f"tp_degree={tp} does not divide n_gpus={n_gpus}.")
+        dp = n_gpus // tp
+        act_bytes = size("activations") * tokens_per_gpu * tp * model.hidden
+        tp_comm = 4 * model.layers * ring_time("all_reduce", act_bytes, tp, bw(tp), hw.latency)
+        dp_bw = bw(dp, per_node=max(1, hw.gpus_per_node // tp) if dp > 1 else None)
+        dp_comm = fsdp_time(model.params / tp, dp, dp_bw, hw.latency, size)
+        comm, exposed = tp_comm + dp_comm, tp_comm + max(0.0, dp_comm - compute)
+        out = {"tp": tp, "dp": dp}
     step = compute + exposed
     return {
         "compute": compute,
@@ -133,7 +167,66 @@ def predict_step(
         "exposed": exposed,
         "step": step,
         "efficiency": compute / step,
+        **out,
     }
+
+
+def fsdp_time(params: float, n: int, link_bw: float, latency: float, size) -> float:
+    """FSDP2's ring time per step over ``n`` ranks: two all-gathers of the parameters
+    (``size("compute")`` bytes each) and a reduce-scatter of the gradients (``size("grads")``)."""
+    gather = ring_time("all_gather", size("compute") * params, n, link_bw, latency)
+    return 2 * gather + ring_time("reduce_scatter", size("grads") * params, n, link_bw, latency)
+
+
+def crossover_tokens(
+    strategy: Literal["ddp", "fsdp2"],
+    n_gpus: int,
+    link_bw: float,
+    hw: Hardware = H100,
+    efficiency: float = 0.5,
+    dtypes: Dtypes = BF16_FP32_REDUCE,
+) -> float:
+    """Tokens per GPU below which ``strategy``'s communication can no longer hide behind compute
+    (the bandwidth terms of :func:`predict_step`, latency left out). Closed forms, P = peak ×
+    efficiency, B = ``link_bw``, g and c the bytes of a gradient and of a gathered parameter:
+
+    * ddp: the all-reduce 2(n−1)/n·g·Ψ/B hides behind ⅔ of 6Ψ·T/P → T* = (n−1)/n · g·P / (2B);
+    * fsdp2: 2 all-gathers + 1 reduce-scatter, (n−1)/n·(2c + g)·Ψ/B, behind all of it →
+      T* = (n−1)/n · (2c + g)·P / (6B).
+
+    Ψ cancels: whether a data-parallel step is communication-bound depends on the tokens each GPU
+    processes, the link and the kernels' speed, not on the model's size.
+    """
+    p, f = hw.peak_flops * efficiency, (n_gpus - 1) / n_gpus
+    g, c = dtypes.nbytes("grads"), dtypes.nbytes("compute")
+    return {"ddp": f * g * p / (2 * link_bw), "fsdp2": f * (2 * c + g) * p / (6 * link_bw)}[
+        strategy
+    ]
+
+
+def tp_comm_ratio(
+    tp: int,
+    hidden: int,
+    link_bw: float,
+    hw: Hardware = H100,
+    efficiency: float = 0.5,
+    dtypes: Dtypes = BF16_FP32_REDUCE,
+) -> float:
+    """TP's exposed communication / compute per block (bandwidth terms, Megatron's 4 all-reduces
+    of the group's activations, 12h² parameters per block): ``(tp − 1)·a·P / (9·h·B)`` with a the
+    bytes of an activation, P = peak × efficiency, B = ``link_bw``. The tokens cancel: TP's share
+    grows with tp − 1 and shrinks only with the hidden size."""
+    a = dtypes.nbytes("activations")
+    return (tp - 1) * a * hw.peak_flops * efficiency / (9 * hidden * link_bw)
+
+
+def lockstep_time(step_times: list[list[float]], stat=statistics.median) -> float:
+    """What a synchronous step of N ranks costs when each rank alone takes ``step_times[r][i]``
+    at step i: ``stat`` (median by default; ``min`` for the least disturbed step) over steps of
+    the slowest rank's time. DDP's collectives make every rank wait for the slowest one at every
+    step; ranks that train independently do not, so the mean of their medians underestimates a
+    synchronous step wherever the ranks' speeds vary."""
+    return stat(max(ts) for ts in zip(*step_times))
 
 
 def scaling_ratios(values: dict[int, list[dict]]) -> list[dict]:

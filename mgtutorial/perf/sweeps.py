@@ -1,8 +1,8 @@
 """Sweeps that measure: every collective over message sizes, and DDP steps split into forward,
 backward and optimizer phases over batch sizes, modes and DDP's switches.
 
-Taught in notebooks/09_performance.ipynb, sections 2, 4–6. The clocks are
-:mod:`mgtutorial.perf.timing`'s; the results feed :mod:`mgtutorial.perf.costmodel` (α–β fit,
+Taught in notebooks/09a_cost_model.ipynb (section 2) and notebooks/09b_measurement.ipynb. The clocks
+are :mod:`mgtutorial.perf.timing`'s; the results feed :mod:`mgtutorial.perf.costmodel` (α–β fit,
 step-time model) and :func:`mgtutorial.perf.scaling.scaling_ratios`. Follows
 https://pytorch.org/docs/stable/distributed.html (collectives) and
 https://pytorch.org/docs/stable/notes/ddp.html. From the shell (2 ranks)::
@@ -46,8 +46,8 @@ def collective_call(op: costmodel.Collective, nbytes: int, world_size: int, devi
     calls = {
         "all_reduce": lambda: dist.all_reduce(full),
         "broadcast": lambda: dist.broadcast(full, src=0),
-        "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+        "all_gather": lambda: dist.all_gather_single(full, part),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
     }
     return calls[op]
 
@@ -85,7 +85,8 @@ def sweep_worker(cfg: SweepConfig) -> list[dict]:
     """Time every (op, size) on every rank; the collective's time is the *slowest* rank's.
 
     Logs and returns ``kind="collective_time"`` records: ``op``, ``nbytes``, ``world_size``,
-    ``time_s`` (median over repeats of the max over ranks), ``times`` (s).
+    ``time_s`` (median over repeats of the max over ranks), ``time_min_s`` (the fastest repeat:
+    the one a busy machine disturbed least), ``times`` (s).
     """
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
         out = []
@@ -102,6 +103,7 @@ def sweep_worker(cfg: SweepConfig) -> list[dict]:
                     nbytes=nbytes,
                     world_size=ctx.world_size,
                     time_s=statistics.median(times),
+                    time_min_s=min(times),
                     times=times,
                 )
                 out.append(record)
@@ -111,7 +113,8 @@ def sweep_worker(cfg: SweepConfig) -> list[dict]:
 class TimedTrainer(ddp.Trainer):
     """Chapter 02's Trainer whose ``_run_batch`` also times forward, backward and optimizer step.
 
-    ``self.phases`` gets one ``(start, fwd_s, bwd_s, opt_s)`` tuple per step (perf_counter s);
+    ``self.phases`` gets one ``(start, fwd_s, bwd_s, opt_s, samples)`` tuple per step
+    (perf_counter s; ``samples`` this step's batch, smaller for an epoch's last, partial batch);
     the time between two starts is the whole step (data loading and logging included). On a GPU
     the phases end with :func:`~mgtutorial.perf.timing.sync`, which costs some overlap but makes
     the split honest. Step number ``profile_step`` (if set) runs under ``torch.profiler`` and its
@@ -120,7 +123,7 @@ class TimedTrainer(ddp.Trainer):
 
     def __init__(self, *args, profile_step: int | None = None, trace: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.phases: list[tuple[float, float, float, float]] = []
+        self.phases: list[tuple[float, float, float, float, int]] = []
         self.profile_step, self.trace = profile_step, trace
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -146,7 +149,7 @@ class TimedTrainer(ddp.Trainer):
         t2 = time.perf_counter()
         self.optimizer.step()
         sync(self.ctx.device)
-        self.phases.append((t0, t1 - t0, t2 - t1, time.perf_counter() - t2))
+        self.phases.append((t0, t1 - t0, t2 - t1, time.perf_counter() - t2, len(x)))
         return loss.item()
 
 
@@ -217,9 +220,12 @@ def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None, barrier:
     if barrier:
         dist.barrier()
     trainer.train()
-    timed = trainer.phases[cfg.warmup : n]
-    starts = [p[0] for p in trainer.phases[cfg.warmup : n + 1]]
-    steps = [b - a for a, b in zip(starts, starts[1:])]
+    # an epoch's last batch is partial (the data set is not a multiple of the batch): its shorter
+    # step would mix into the statistics, so only full batches are timed
+    full = run_cfg.batch_size
+    timed = [p for p in trainer.phases[cfg.warmup : n] if p[4] == full]
+    starts = trainer.phases[cfg.warmup : n + 1]
+    steps = [b[0] - a[0] for a, b in zip(starts, starts[1:]) if a[4] == full]
     extra = {}
     if trace:
         extra["trace"] = trace

@@ -1,8 +1,9 @@
 """Timing done right, on a CPU and on a GPU: warm-up, barrier, clock, synchronize, repeats; CUDA
 events; the FLOP/s of a matmul; the events of a profiler trace.
 
-Taught in notebooks/09_performance.ipynb, sections 1, 3 and 5. The sweeps that use these live in
-:mod:`mgtutorial.perf.sweeps`, the arithmetic in :mod:`mgtutorial.perf.costmodel`. Follows
+Taught in notebooks/09a_cost_model.ipynb (sections 1 and 3) and notebooks/09b_measurement.ipynb
+(section 2). The sweeps that use these live in :mod:`mgtutorial.perf.sweeps`, the arithmetic in
+:mod:`mgtutorial.perf.costmodel`. Follows
 https://pytorch.org/docs/stable/notes/cuda.html#asynchronous-execution (CUDA events) and
 https://pytorch.org/docs/stable/profiler.html.
 
@@ -95,7 +96,8 @@ def matmul_flops(n: int = 256, repeats: int = 5, threads: int = 1) -> dict:
     """FLOP/s of an ``n×n @ n×n`` float32 matmul (2n³ FLOPs) on ``threads`` CPU threads (or the
     GPU).
 
-    Returns ``{"flops": median FLOP/s, "times": [s]}``; restores the caller's thread count.
+    Returns ``{"flops": median FLOP/s, "best": the fastest call's FLOP/s, "times": [s]}``;
+    restores the caller's thread count.
     """
     device = env.device_for(env.resolve_backend("auto", 1))
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
@@ -105,18 +107,29 @@ def matmul_flops(n: int = 256, repeats: int = 5, threads: int = 1) -> dict:
         times = time_op(lambda: a @ b, device, warmup=2, repeats=repeats)
     finally:
         torch.set_num_threads(before)
-    return {"flops": 2 * n**3 / statistics.median(times), "times": times}
+    work = 2 * n**3
+    return {"flops": work / statistics.median(times), "best": work / min(times), "times": times}
+
+
+def matmul_peak(sizes=(256, 512, 1024, 2048), repeats: int = 7, threads: int = 1) -> dict:
+    """The highest FLOP/s measured by :func:`matmul_flops` over square ``sizes``, each the
+    fastest of ``repeats`` calls: the best rate this machine showed, a measured reference for MFU
+    (not a hardware bound; compare it with a workload timed the same way, fastest of as many
+    calls). Returns ``{"flops": that rate, "n": its size, "by_size": {n: fastest FLOP/s}}``."""
+    by_size = {n: matmul_flops(n, repeats, threads)["best"] for n in sizes}
+    n = max(by_size, key=by_size.get)
+    return {"flops": by_size[n], "n": n, "by_size": by_size}
 
 
 def event_kind(name: str) -> str:
     """What a profiler event is: "backward" (autograd engine ops), "all_reduce" (the backend's
-    own all-reduce, e.g. ``gloo:all_reduce``, not c10d's Python-side op), "forward" (DDP's
-    forward), "optimizer" or "other"."""
+    own all-reduce, e.g. ``gloo:all_reduce``, on the backend's thread), "all_reduce_launch" (c10d's
+    ``c10d::allreduce_``, on the thread that launched it: DDP's hook, inside backward), "forward"
+    (DDP's forward), "optimizer" or "other"."""
     if name.startswith("autograd::engine::evaluate_function"):
         return "backward"
-    backend_op = ":" in name and not name.startswith("c10d::")
-    if backend_op and collective_name(name.rsplit(":", 1)[-1]) == "all_reduce":
-        return "all_reduce"
+    if ":" in name and collective_name(name.rsplit(":", 1)[-1]) == "all_reduce":
+        return "all_reduce_launch" if name.startswith("c10d::") else "all_reduce"
     if name == "DistributedDataParallel.forward":
         return "forward"
     return "optimizer" if name.startswith("Optimizer.step") else "other"

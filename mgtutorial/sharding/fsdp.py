@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) on the chapter's block stack: parity with one process and DDP, DTensor
 placements, collectives counted, gathered bytes per block, mixed precision, meta-device init.
 
-Taught in notebooks/07_sharding.ipynb, sections 5–7. Follows
+Taught in notebooks/07b_fsdp2.ipynb, sections 1–4. Follows
 https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html,
 https://pytorch.org/tutorials/intermediate/FSDP_tutorial.html and
 https://pytorch.org/docs/stable/distributed.tensor.html (DTensor, ``CommDebugMode``).
@@ -131,15 +131,19 @@ def part_fsdp(cfg, ctx) -> dict:
     the same way, so those parameters still match one process; only the gradient check shows it.
     """
     mesh, (ref_model, ref_losses) = mesh_for(cfg, ctx), reference(cfg)
-    model = apply_fsdp(
-        make_model(cfg).to(ctx.device), mesh, cfg.reshard_after_forward, reduce=cfg.reduce
-    )
+
+    def build_and_train():
+        model = apply_fsdp(
+            make_model(cfg).to(ctx.device), mesh, cfg.reshard_after_forward, reduce=cfg.reduce
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        return model, opt, train(model, opt.step, cfg, ctx, opt.zero_grad)
+
+    (model, opt, losses), allocator = memory.allocator_bytes(build_and_train)
     placements = {
         k: [str(p.placements), list(p.to_local().shape), type(p).__name__]
         for k, p in model.named_parameters()
     }
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    losses = train(model, opt.step, cfg, ctx, opt.zero_grad)
     summed = apply_fsdp(make_model(cfg).to(ctx.device), mesh, reduce="sum")  # the bug, on purpose
     sopt = torch.optim.AdamW(summed.parameters(), lr=cfg.lr)
     train(summed, sopt.step, cfg, ctx, sopt.zero_grad)
@@ -151,6 +155,7 @@ def part_fsdp(cfg, ctx) -> dict:
         "placements": placements,
         "first_grads": first_grads(cfg, ctx, mesh),
         "memory": {"zero3": memory.measure(model.parameters(), [opt])},
+        "allocator": {"zero3": allocator},
         "sum_params_vs_one_process": max_abs_diff(summed.state_dict(), ref_model.state_dict()),
         "max_diff": {
             "fsdp_vs_one_process": max_abs_diff(model.state_dict(), ref_model.state_dict()),

@@ -1,6 +1,6 @@
 """Bytes per rank of DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP): the formula, the measurement, the chart.
 
-Taught in notebooks/07_sharding.ipynb, sections 1–4. Follows the ZeRO paper's accounting
+Taught in notebooks/07a_zero_memory.ipynb, sections 1–4. Follows the ZeRO paper's accounting
 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", §3) and
 https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html (how FSDP2 shards dim 0).
 
@@ -18,7 +18,7 @@ the parameters (ZeRO-3 / FSDP) by N. ``mixed`` is the ZeRO paper's mixed precisi
 parameters and gradients in the model, the fp32 master copy in the optimizer). FSDP2 with
 ``MixedPrecisionPolicy(param_dtype=bfloat16)`` keeps fp32 parameter and gradient shards (bf16 only
 in the gathered copies), so between steps it holds the ``fp32`` row (measured in
-notebooks/07_sharding.ipynb, section 7).
+notebooks/07b_fsdp2.ipynb, section 4).
 
 The formula is exact, with the padding the implementations add:
 
@@ -31,20 +31,29 @@ The formula is exact, with the padding the implementations add:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Literal, get_args
 
 import torch
+
+from mgtutorial.perf.costmodel import FP32, ZERO_MIXED
 
 Scheme = Literal["ddp", "zero1", "zero2", "zero3"]
 """What each rank keeps in full: everything (DDP), all but the optimizer state (ZeRO-1), the
 parameters only (ZeRO-2), nothing (ZeRO-3 / FSDP)."""
 SCHEMES = get_args(Scheme)
 Precision = Literal["fp32", "mixed"]
-BYTES_PER_PARAM: dict[Precision, tuple[int, int, int]] = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
-"""Bytes per parameter of (params, grads, optimizer state) for Adam(W); "mixed" as the ZeRO
-paper counts it."""
+BYTES_PER_PARAM: dict[Precision, tuple[int, int, int]] = {
+    "fp32": FP32.per_param,
+    "mixed": ZERO_MIXED.per_param,
+}
+"""Bytes per parameter of (params, grads, optimizer state) for Adam(W), from the course's one
+dtype table (:class:`mgtutorial.perf.costmodel.Dtypes`): (4, 4, 8) in fp32, (2, 2, 12) in the
+ZeRO paper's mixed precision."""
 PARTS = ("params", "grads", "optimizer")
 Unit = Literal["B", "GB"]
 """Bytes, or GB (10⁹ bytes), in tables and figures."""
@@ -133,6 +142,53 @@ def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
         storage = local.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 points at /dev/null inside the block (C++ prints included)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def allocator_bytes(fn):
+    """Run ``fn()`` under ``torch.profiler`` with ``profile_memory=True`` and read the allocator's
+    memory events (allocations +, frees −, in time order): returns ``(fn's result, {"net": bytes
+    still allocated when it returns, "peak": the highest running total})``, both relative to the
+    start. Unlike :func:`held_bytes` this is what the allocator holds (padding, temporaries,
+    buffers the library keeps), on CPU as on GPU. Follows
+    https://pytorch.org/docs/stable/profiler.html (``profile_memory``).
+    """
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _stderr_silenced():  # the profiler's start and stop lines, printed by its C++ side
+        prof.__enter__()
+    try:
+        result = fn()
+    finally:
+        with _stderr_silenced():
+            prof.__exit__(None, None, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    running = peak = 0
+    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+        running += e["args"]["Bytes"]
+        peak = max(peak, running)
+    return result, {"net": running, "peak": peak}
 
 
 def measure(

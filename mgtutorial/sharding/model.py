@@ -1,9 +1,9 @@
 """The model, batches, training loop and single-process reference that every part of chapter 07
 shares, so that ZeRO by hand, DDP and FSDP2 are compared on the same numbers.
 
-Taught in notebooks/07_sharding.ipynb. Every part trains the same tiny :class:`BlockStack` on the
-same synthetic batches: rank r takes the r-th of N equal slices of each global batch, so averaged
-gradients equal the gradients of one process on the whole batch.
+Taught in notebooks/07a_zero_memory.ipynb and notebooks/07b_fsdp2.ipynb. Every part trains the same
+tiny :class:`BlockStack` on the same synthetic batches: rank r takes the r-th of N equal slices of
+each global batch, so averaged gradients equal the gradients of one process on the whole batch.
 
 The functions take the chapter's configuration, a
 :class:`~mgtutorial.sharding.worker.ShardConfig` (they read ``blocks``, ``width``,
@@ -60,11 +60,12 @@ def batch(cfg, step: int, rank: int = 0, world_size: int = 1):
     return x.chunk(world_size)[rank], y.chunk(world_size)[rank]
 
 
-def train(model, step_fn, cfg, ctx, zero_grad) -> list[float]:
-    """``cfg.steps`` steps of MSE on this rank's slices, each ``zero_grad()``, forward, backward,
-    ``step_fn()``; returns this rank's losses. Gradients stay after the last step (to measure)."""
+def train(model, step_fn, cfg, ctx, zero_grad, first: int = 0) -> list[float]:
+    """``cfg.steps`` steps of MSE on this rank's slices of batches ``first``, ``first + 1``, …,
+    each ``zero_grad()``, forward, backward, ``step_fn()``; returns this rank's losses. Gradients
+    stay after the last step (to measure)."""
     losses = []
-    for step in range(cfg.steps):
+    for step in range(first, first + cfg.steps):
         zero_grad()
         x, y = (t.to(ctx.device) for t in batch(cfg, step, ctx.rank, ctx.world_size))
         loss = nn.functional.mse_loss(model(x), y)

@@ -2,9 +2,9 @@
 one dict per part (max abs differences, bytes, counts), so a notebook cell or a test pays for one
 launch.
 
-Taught in notebooks/07_sharding.ipynb. The parts live with their idea: ZeRO by hand in
-:mod:`mgtutorial.sharding.zero`, FSDP2 in :mod:`mgtutorial.sharding.fsdp`, checkpoints in
-:mod:`mgtutorial.sharding.checkpoint`; "bench" (every set-up side by side, for
+Taught in notebooks/07a_zero_memory.ipynb and notebooks/07b_fsdp2.ipynb. The parts live with their
+idea: ZeRO by hand in :mod:`mgtutorial.sharding.zero`, FSDP2 in :mod:`mgtutorial.sharding.fsdp`,
+checkpoints in :mod:`mgtutorial.sharding.checkpoint`; "bench" (every set-up side by side, for
 benchmarks/sharding.py) is here. From the shell::
 
     torchrun --standalone --nproc-per-node 2 -m mgtutorial.sharding.worker zero fsdp counts
@@ -24,10 +24,10 @@ import torch
 from mgtutorial import ddp
 from mgtutorial.common.config import Config
 from mgtutorial.runtime import env
-from mgtutorial.sharding import checkpoint, fsdp, memory, zero
+from mgtutorial.sharding import checkpoint, fsdp, memory, practice, zero
 from mgtutorial.sharding.model import make_model, train
 
-Part = Literal["zero", "fsdp", "counts", "mixed", "meta", "save", "load", "bench"]
+Part = Literal["zero", "fsdp", "counts", "mixed", "meta", "save", "load", "practice", "bench"]
 """A check :func:`worker` can run (see :data:`PARTS` for the function behind each)."""
 
 
@@ -83,6 +83,11 @@ class ShardConfig(Config):
         fsdp.mesh_device_type(env.resolve_backend(self.backend, nprocs), self.mesh_device)
         if {"save", "load"} & set(self.parts) and not self.checkpoint_dir:
             raise ValueError("parts 'save'/'load' need checkpoint_dir=<a folder>.")
+        if "practice" in self.parts and (nprocs < 4 or nprocs % 2):
+            raise ValueError(
+                f"part 'practice' builds a 2 × (N / 2) HSDP mesh: it needs an even world size of "
+                f"at least 4, not {nprocs}; launch it on 4 ranks."
+            )
 
 
 BENCH = {
@@ -134,6 +139,7 @@ PARTS = {
     "meta": fsdp.part_meta,
     "save": checkpoint.part_save,
     "load": checkpoint.part_load,
+    "practice": practice.part_practice,
     "bench": part_bench,
 }
 """Each :data:`Part` → the function ``(cfg, ctx) -> result`` that runs it."""

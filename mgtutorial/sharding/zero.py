@@ -1,7 +1,7 @@
 """ZeRO-1 and ZeRO-2 written by hand, checked against one process, DDP and torch's
 ``ZeroRedundancyOptimizer``.
 
-Taught in notebooks/07_sharding.ipynb, section 3. Follows
+Taught in notebooks/07a_zero_memory.ipynb, section 3. Follows
 https://pytorch.org/docs/stable/distributed.optim.html (``ZeroRedundancyOptimizer``) and the ZeRO
 paper (Rajbhandari et al., 2020). The model, batches and reference are in
 :mod:`mgtutorial.sharding.model`; :func:`part_zero` runs inside
@@ -57,13 +57,13 @@ class ZeRO:
         """This rank's slice (S elements) of the gradients, summed over ranks by a
         reduce-scatter, ÷ N."""
         shard = torch.empty(self.S, device=self.ctx.device)
-        dist.reduce_scatter_tensor(shard, self.flat_grad, op=dist.ReduceOp.SUM)
+        dist.reduce_scatter_single(shard, self.flat_grad, op=dist.ReduceOp.SUM)
         return shard.div_(self.ctx.world_size)
 
     def step(self):
         self.slice.grad = self.reduce_gradients()
         self.opt.step()
-        dist.all_gather_into_tensor(self.flat, self.slice.detach().clone())
+        dist.all_gather_single(self.flat, self.slice.detach().clone())
         if self.stage == 1:
             # ZeRO-1 keeps the full gradients; the reduced slice was temporary
             self.slice.grad = None
@@ -71,6 +71,18 @@ class ZeRO:
             self.flat_grad = None  # ZeRO-2 keeps only its slice of the gradients
             for p in self.params:
                 p.grad = None
+
+
+def backend_collectives(fn) -> list[str]:
+    """The backend's own collective events (``gloo:…``, ``nccl:…``) that ``fn()`` records under
+    ``torch.profiler``, in order: what actually ran on the wire, whatever the Python call was
+    named (on gloo a ``reduce_scatter_single`` runs as ``gloo:all_reduce`` plus a local copy)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    return [e.name for e in events if e.name.split(":")[0] in ("gloo", "nccl")]
 
 
 def first_slice_diff(cfg, ctx) -> float:
@@ -88,21 +100,45 @@ def first_slice_diff(cfg, ctx) -> float:
     return max_abs_diff(z.reduce_gradients(), flat[ctx.rank * z.S : (ctx.rank + 1) * z.S])
 
 
+def wire(cfg, ctx) -> dict[str, list[str]]:
+    """The backend collectives of one step (backward + optimizer step) of ZeRO-1 by hand and of
+    DDP, from :func:`backend_collectives`; a fresh model each, not the ones compared."""
+    x, y = (t.to(ctx.device) for t in batch(cfg, 0, ctx.rank, ctx.world_size))
+    model = make_model(cfg).to(ctx.device)
+    z = ZeRO(model, ctx, 1, lr=cfg.lr)
+    z.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    zero_step = backend_collectives(lambda: (loss.backward(), z.step()))
+    ddp_model = ddp.apply_ddp(make_model(cfg), ctx)
+    opt = torch.optim.AdamW(ddp_model.parameters(), lr=cfg.lr)
+    loss = nn.functional.mse_loss(ddp_model(x), y)
+    return {"zero1": zero_step, "ddp": backend_collectives(lambda: (loss.backward(), opt.step()))}
+
+
 def part_zero(cfg, ctx) -> dict:
     """ZeRO-1 and ZeRO-2 by hand, ``ZeroRedundancyOptimizer`` and DDP vs one process.
 
     Returns ``{"max_diff": {set-up: max |Δ| of the parameters to one process, …,
     "zero1_vs_zero_redundancy": …}, "memory": {set-up: bytes held (see
-    :func:`mgtutorial.sharding.memory.measure`)}, "first_grad_diff": …}``.
+    :func:`mgtutorial.sharding.memory.measure`)}, "allocator": {"zero1": the allocator's net and
+    peak bytes over building and training, :func:`~mgtutorial.sharding.memory.allocator_bytes`},
+    "first_grad_diff": …, "wire": :func:`wire`}``.
     """
     ref, _ = reference(cfg)
     out, final = {"max_diff": {}, "memory": {}}, {}
+    out["allocator"] = {}
     for stage in (1, 2):
-        model = make_model(cfg).to(ctx.device)
-        z = ZeRO(model, ctx, stage, lr=cfg.lr)
-        train(model, z.step, cfg, ctx, z.zero_grad)
+
+        def build_and_train(stage=stage):
+            model = make_model(cfg).to(ctx.device)
+            z = ZeRO(model, ctx, stage, lr=cfg.lr)
+            train(model, z.step, cfg, ctx, z.zero_grad)
+            return model, z
+
+        (model, z), out["allocator"][f"zero{stage}"] = memory.allocator_bytes(build_and_train)
         final[f"zero{stage}"] = model.state_dict()
         out["memory"][f"zero{stage}"] = memory.measure(model.parameters(), [z.opt])
+    out["wire"] = wire(cfg, ctx)
     optimizers = {
         "ddp": lambda ps: torch.optim.AdamW(ps, lr=cfg.lr),
         "zero_redundancy": lambda ps: ZeroRedundancyOptimizer(

@@ -8,4 +8,5 @@
 - ``pitfalls``: what goes wrong with tensor-parallel heads, clipping, foreach and dropout
 - ``mesh2d``: a 2-D mesh (FSDP2 over dp × TP over tp), its shard layout and figure
 - ``cost``: what TP and DDP move per step, from the sizes
+- ``loss``: vocabulary-parallel embedding and head, the loss on sharded logits (``loss_parallel``)
 """

@@ -19,7 +19,7 @@ import torch
 
 from mgtutorial.common import compare
 from mgtutorial.runtime import env
-from mgtutorial.tensor_parallel import fg, pitfalls, plans
+from mgtutorial.tensor_parallel import fg, loss, pitfalls, plans
 from mgtutorial.tensor_parallel.config import TPConfig, check, inputs
 from mgtutorial.tensor_parallel.transformer import Block
 
@@ -125,7 +125,8 @@ def worker(cfg: TPConfig) -> dict:
     :func:`check_plan`); ``counts`` are {"forward", "backward": {collective: calls}, "bytes"} from
     ``CommDebugMode``, ``max_diff`` the largest |difference| of outputs, input gradient and
     parameter gradients. Then ``pitfalls``: see
-    :func:`mgtutorial.tensor_parallel.pitfalls.pitfalls`.
+    :func:`mgtutorial.tensor_parallel.pitfalls.pitfalls`; ``loss_parallel``: see
+    :func:`mgtutorial.tensor_parallel.loss.check_loss_parallel`.
 
     Raises:
         ValueError: sizes the world size cannot split
@@ -155,4 +156,5 @@ def worker(cfg: TPConfig) -> dict:
                 ref, want, mesh, x, dy, sp, prepare, None if sp else hand_out
             )
         results["pitfalls"] = pitfalls.pitfalls(cfg, ctx, mesh)
+        results["loss_parallel"] = loss.check_loss_parallel(cfg, ctx, mesh)
         return results

@@ -29,22 +29,22 @@ def counts(predicted: dict) -> None:
         require(
             guess[phase] == got,
             ex,
-            f"the split block issued {got} all-reduces in {phase}, not "
-            f"{guess[phase]}: one g (forward) or one f (backward) per sublayer, attention and MLP",
+            f"the split block did not issue {guess[phase]} all-reduces in {phase}: one g "
+            "(forward) or one f (backward) per sublayer, attention and MLP",
         )
     got = {n for n, _ in dt["bytes"]["all_reduce"]}.pop()
     require(
         guess["all_reduce_bytes"] == got,
         ex,
-        f"each all-reduce moved {got} bytes, not "
-        f"{guess['all_reduce_bytes']}: one (b, s, h) float32 activation is b·s·h·4 bytes",
+        f"each all-reduce did not move {guess['all_reduce_bytes']} bytes: one (b, s, h) "
+        "float32 activation is b·s·h·4 bytes",
     )
     got = sp["bytes"]["all_gather"][0]
     require(
         list(guess["all_gather_bytes"]) == got,
         ex,
-        f"each all-gather took and returned {got} bytes, not "
-        f"{list(guess['all_gather_bytes'])}: a rank sends its s / tp tokens and receives all s",
+        f"each all-gather did not take and return {list(guess['all_gather_bytes'])} bytes: a "
+        "rank sends its s / tp tokens and receives all s",
     )
     passed(
         ex,

@@ -1,18 +1,25 @@
-"""Checker of exercise 08.4 (notebooks/08_tensor_parallel.ipynb): the TP degree at which one
-block's forward communication outgrows its matmuls, over NVLink and over InfiniBand, with the
-arithmetic of section 7 (:func:`mgtutorial.tensor_parallel.cost.comm_bytes`) and the H100 figures of
-:data:`mgtutorial.perf.costmodel.H100`.
+"""Checker of exercise 08.4 (notebooks/08b_tp_mesh_cost.ipynb): the TP degree at which one
+block's forward communication outgrows its matmuls, on DGX H100 nodes (8 InfiniBand ports each)
+and on nodes with one port, with the arithmetic of section 7
+(:func:`mgtutorial.tensor_parallel.cost.comm_bytes`) and the course's one model of the links,
+:meth:`mgtutorial.perf.costmodel.Hardware.ring_bw`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from mgtutorial.exercises._common import answered, attempt, close, passed, require
 from mgtutorial.perf import costmodel
 from mgtutorial.tensor_parallel import cost
 
+NODES = {
+    "dgx_h100": costmodel.H100,
+    "one_port": dataclasses.replace(costmodel.H100, nics_per_node=1),
+}
+"""08.4's clusters: DGX H100 nodes (8 ports of 50 GB/s) and the same nodes with one port."""
 LINKS = {"nvlink": costmodel.H100.intra_bw, "infiniband": costmodel.H100.inter_bw}
-"""08.4's links (B/s per direction): NVLink 4 and one NDR InfiniBand port per GPU
-(``costmodel.H100``)."""
+"""The bandwidths ``ratio`` is checked at (B/s per direction): NVLink 4, one NDR port."""
 N_HEADS = 96
 """08.4's head count (GPT-3: 96 heads of 128 features, h = 12288): a TP degree must divide it."""
 
@@ -28,7 +35,7 @@ def reference_ratio(tp_degree: int, link_bw: float) -> float:
 
 def _check_ratio(ex: str, ratio) -> None:
     peak = costmodel.H100.peak_flops
-    for bw in LINKS.values():
+    for bw in (*LINKS.values(), 4e11):
         for n in (8, 2, 3, 4, 16, 24):
             got, want = attempt(ex, ratio, n, bw), reference_ratio(n, bw)
             if close(got, want, rel=1e-6):
@@ -53,28 +60,28 @@ def _check_ratio(ex: str, ratio) -> None:
                 (text for k, text in fixes if close(got * k, want, rel=1e-6)),
                 "compare with section 7's cell",
             )
-            require(
-                False,
-                ex,
-                f"ratio({n}, {bw:.3g}) = {got:.3g}, section 7's arithmetic gives {want:.3g}: {why}",
-            )
+            direction = "too large" if got > want else "too small"
+            require(False, ex, f"ratio({n}, {bw:.3g}) = {got:.3g} is {direction}: {why}")
 
 
 def crossover(ratio, smallest_tp: dict | None = None) -> None:
     """08.4: ``ratio(tp, link_bw) -> float`` (communication / compute of one block's forward at the
     GPT-3-like size of section 7, ``link_bw`` in B/s, peak ``costmodel.H100.peak_flops``) and
-    ``smallest_tp`` = {"nvlink", "infiniband": int}, per link of :data:`LINKS` the smallest TP
-    degree dividing :data:`N_HEADS` with ``ratio > 1``. ``ratio`` is compared with the section's
-    arithmetic at tp = 2, 3, 4, 8, 16, 24 on both links."""
+    ``smallest_tp`` = {"dgx_h100", "one_port": int}, per cluster of :data:`NODES` the smallest TP
+    degree n dividing :data:`N_HEADS` with ``ratio(n, hw.ring_bw(n)) > 1``. ``ratio`` is compared
+    with the section's arithmetic at tp = 2, 3, 4, 8, 16, 24 and three bandwidths."""
     ex = "08.4 crossover"
     _check_ratio(ex, ratio)
     smallest_tp = smallest_tp or {}
     found = {}
-    for link, bw in LINKS.items():
+    for link, hw in NODES.items():
         guess = answered(smallest_tp.get(link), ex, f'smallest_tp["{link}"]')
         want = found[link] = next(
-            n for n in range(2, N_HEADS + 1) if N_HEADS % n == 0 and reference_ratio(n, bw) > 1
+            n
+            for n in range(2, N_HEADS + 1)
+            if N_HEADS % n == 0 and reference_ratio(n, hw.ring_bw(n)) > 1
         )
+        bw = hw.ring_bw(guess) if isinstance(guess, int) and guess >= 1 else 0
         name = f'smallest_tp["{link}"] = {guess!r}'
         require(isinstance(guess, int) and guess >= 2, ex, f"{name}: give an int ≥ 2")
         require(
@@ -92,10 +99,9 @@ def crossover(ratio, smallest_tp: dict | None = None) -> None:
         )
         hint = f"{name}: a smaller divisor of 96 already has ratio > 1 on this link"
         require(guess == want, ex, hint)
-    nv, ib = (reference_ratio(8, bw) for bw in LINKS.values())
     passed(
         ex,
-        f"ratio(8) = {nv:.2f} over NVLink, {ib:.2f} over InfiniBand, growing with tp − 1; among "
-        f"divisors of {N_HEADS} heads, communication wins from tp = {found['nvlink']} (NVLink) "
-        f"and {found['infiniband']} (InfiniBand)",
+        f"ratio(8) = {reference_ratio(8, LINKS['nvlink']):.2f} over NVLink, growing with tp − 1; "
+        f"among divisors of {N_HEADS} heads, communication outgrows the matmuls from tp = "
+        f"{found['dgx_h100']} on DGX H100 nodes and {found['one_port']} with one port per node",
     )

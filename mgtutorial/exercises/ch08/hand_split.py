@@ -158,15 +158,14 @@ def bias_before_g(path: str = "ex08_bias.py", predicted: dict | None = None) -> 
     require(
         set(wrong) == measured,
         ex,
-        f"measured wrong: {sorted(measured)}, you predicted {sorted(wrong)}: "
+        f"you predicted {sorted(wrong)} wrong, and the ranks measured otherwise: "
         "the loss is (out · dy).sum() with a fixed dy, and g's backward is the identity: "
         "what does b2 + partial change in backward?",
     )
     require(
         copies == got,
         ex,
-        f"the output holds {got} copies of b2, not {copies}: every rank adds its own "
-        "before the sum",
+        f"the output does not hold {copies} copies of b2: every rank adds its own before the sum",
     )
     passed(
         ex,

@@ -1,0 +1,117 @@
+"""FSDP2 as people run it: the order a step issues its collectives in, with and without explicit
+forward prefetching; gradient accumulation without a reduce-scatter per micro-batch
+(``set_requires_gradient_sync``); HSDP on a 2-D mesh (replicate × shard); every collective
+counted and every result compared with one process.
+
+Taught in notebooks/07b_fsdp2.ipynb, section 7. Follows
+https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html (``set_requires_gradient_sync``;
+a 2-D mesh makes ``fully_shard`` hybrid: ``(Replicate(), Shard(0))``) and torchtitan's use of both.
+:func:`part_practice` runs inside :func:`mgtutorial.sharding.worker.worker` on 4 ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+from mgtutorial.common.compare import collective_counts, max_abs_diff
+from mgtutorial.sharding.fsdp import apply_fsdp, mesh_device_type, mesh_for
+from mgtutorial.sharding.model import batch, make_model, reference
+
+
+def accumulate_step(model, opt, x, y, micro: int, sync_each: bool) -> dict[str, int]:
+    """One optimizer step over ``micro`` micro-batches of this rank's ``(x, y)``; the loss of each
+    is divided by ``micro``, so the accumulated gradient is the mean. With ``sync_each=False``
+    only the last backward reduces gradients (``set_requires_gradient_sync``); the others keep
+    them unsharded and local. Returns the step's collectives (``CommDebugMode``)."""
+    with CommDebugMode() as comm:
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            model.set_requires_gradient_sync(sync_each or i == micro - 1)
+            (nn.functional.mse_loss(model(xm), ym) / micro).backward()
+        opt.step()
+        opt.zero_grad()
+    return collective_counts(comm)
+
+
+def train_accumulating(cfg, ctx, model, micro: int, sync_each: bool) -> list[dict]:
+    """``cfg.steps`` steps of :func:`accumulate_step` with AdamW; each step's counts."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    counts = []
+    for step in range(cfg.steps):
+        x, y = (t.to(ctx.device) for t in batch(cfg, step, ctx.rank, ctx.world_size))
+        counts.append(accumulate_step(model, opt, x, y, micro, sync_each))
+    return counts
+
+
+TIMELINE = {
+    "FSDP::all_gather (": "AG",
+    "FSDP::pre_forward (": "fwd",
+    "FSDP::pre_backward (": "bwd",
+    "FSDP::post_backward_reduce (": "RS",
+}
+"""FSDP2's own profiler labels (``record_function`` in ``_fsdp_param_group.py``) → short names."""
+
+
+def step_timeline(cfg, ctx, prefetch: bool) -> list[str]:
+    """The order in which one step of 3 blocks issues each block's all-gather (AG), starts its
+    forward (fwd) and backward (bwd) and reduce-scatters its gradients (RS), read from FSDP2's
+    profiler labels, e.g. ``"AG 1"``. With ``prefetch``, each block names the next one in
+    ``set_modules_to_forward_prefetch``, so its forward issues the next all-gather before it
+    computes; backward prefetches implicitly (FSDP2's default)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = apply_fsdp(make_model(cfg, 3).to(ctx.device), mesh_for(cfg, ctx))
+    if prefetch:
+        for block, following in zip(model.blocks, model.blocks[1:]):
+            block.set_modules_to_forward_prefetch([following])
+    x, y = (t.to(ctx.device) for t in batch(cfg, 0, ctx.rank, ctx.world_size))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        nn.functional.mse_loss(model(x), y).backward()
+    out = []
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        for label, short in TIMELINE.items():
+            if e.name.startswith(label):  # "FSDP::all_gather (blocks.1)" → "AG 1"
+                out.append(f"{short} {e.name[len(label) :].rstrip(')').split('.')[-1]}")
+    return out
+
+
+def hsdp_mesh(cfg, ctx):
+    """A ``(replicate, shard)`` mesh of 2 × (N / 2) ranks: ranks (0, 1) and (2, 3) each hold one
+    sharded copy; ranks (0, 2) and (1, 3) hold the same shard and all-reduce its gradients."""
+    kind = mesh_device_type(ctx.backend, cfg.mesh_device)
+    return init_device_mesh(kind, (2, ctx.world_size // 2), mesh_dim_names=("replicate", "shard"))
+
+
+def part_practice(cfg, ctx) -> dict:
+    """Accumulation over 2 micro-batches with and without a reduce-scatter per micro-batch, and
+    HSDP on a 2 × (N / 2) mesh: collectives per step (the last step's) and max |Δ| to one process.
+    Needs an even world size of at least 4."""
+    ref, _ = reference(cfg)
+    out = {"blocks": cfg.blocks}
+    out["timeline"] = {
+        k: step_timeline(cfg, ctx, k == "prefetch") for k in ("implicit", "prefetch")
+    }
+    for name, sync_each in (("sync_each", True), ("sync_last", False)):
+        model = apply_fsdp(make_model(cfg).to(ctx.device), mesh_for(cfg, ctx))
+        counts = train_accumulating(cfg, ctx, model, 2, sync_each)
+        out[name] = {
+            "counts": counts[-1],
+            "max_diff": max_abs_diff(model.state_dict(), ref.state_dict()),
+        }
+    mesh = hsdp_mesh(cfg, ctx)
+    model = make_model(cfg).to(ctx.device)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    counts = train_accumulating(cfg, ctx, model, 1, True)
+    placements = {k: str(p.placements) for k, p in model.named_parameters()}
+    out["hsdp"] = {
+        "counts": counts[-1],
+        "placements": placements["blocks.0.lin.weight"],
+        "local_shape": list(model.blocks[0].lin.weight.to_local().shape),
+        "max_diff": max_abs_diff(model.state_dict(), ref.state_dict()),
+    }
+    return out

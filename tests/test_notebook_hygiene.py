@@ -38,6 +38,7 @@ CHAPTERS = (
     "08_tensor_parallel",
     "09_performance",
     "10a_context_parallel",
+    "10b_expert_parallel",
 )
 WITH_LIVE_PLOT = ("01_single_device", "02_ddp")
 MAX_LINES = 30

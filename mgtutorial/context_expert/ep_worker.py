@@ -4,7 +4,7 @@ all groups (output, the gradients of the tokens, the router and every local expe
 all-to-all counted twice (by :data:`expert_parallel.COUNTS` and by ``CommDebugMode``) and
 predicted from the one-process routing.
 
-Taught in notebooks/10b_expert_parallel.ipynb (sections 3–4). Started from a notebook with
+Taught in notebooks/10b_expert_parallel.ipynb (section 3). Started from a notebook with
 ``launch(ep_worker.worker, config.EPConfig(), 2)``; the same function runs under ``torchrun``.
 """
 

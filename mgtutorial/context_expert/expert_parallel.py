@@ -2,7 +2,7 @@
 the ranks (E / ep each), tokens sent to their experts' ranks with ``all_to_all_single`` (dispatch)
 and their outputs sent back the same way (combine).
 
-Taught in notebooks/10b_expert_parallel.ipynb (sections 3–4; exercise 10b.1 computes
+Taught in notebooks/10b_expert_parallel.ipynb (section 3; exercise 10b.1 computes
 :func:`split_sizes`). Follows GShard's dispatch/combine (Lepikhin et al. 2020,
 https://arxiv.org/abs/2006.16668), the token dispatcher of Megatron-LM's MoE
 (``megatron/core/transformer/moe/token_dispatcher.py``: per-expert counts exchanged first, then

@@ -2,7 +2,7 @@
 transformer on a GPU cluster, which collectives run on which dimension and how often, memory per
 GPU and the step time, from chapter 09's cost model (pure arithmetic, a *prediction*).
 
-Taught in notebooks/10b_expert_parallel.ipynb (section 5, with :func:`explorer`). The mesh's order,
+Taught in notebooks/10b_expert_parallel.ipynb (section 4, with :func:`explorer`). The mesh's order,
 outermost first, is torchtitan's (``ParallelDims`` in ``torchtitan/distributed/parallel_dims.py``:
 pp, dp, cp, tp, with ep over the data-parallel ranks); here ep is a dimension of its own, as in the
 Ultra-Scale Playbook (https://huggingface.co/spaces/nanotron/ultrascale-playbook), whose dense
@@ -133,8 +133,10 @@ def traffic(lay: Layout, model: MoEModel, hw: Hardware = H100) -> list[dict]:
     backward); cp: per layer the k/v ring (an all-gather's bytes) forward, k/v and their gradients
     backward; ep: dispatch and combine, forward and backward (4 all-to-alls per layer, each rank
     sending ``(ep−1)/ep`` of its ``top_k`` rows per token, timed as an all-gather of the same
-    size); dp: one all-reduce of the gradients per step, dense over dp·ep·cp, experts over dp;
-    pp: the activation and its gradient across each stage boundary per micro-batch.
+    size); dp: FSDP (ZeRO-3, as :func:`memory` assumes) gathers the bf16 weights in forward and
+    in backward of every micro-batch and reduce-scatters the gradients once per step, the dense
+    weights over dp·ep·cp (every rank holding the same dense shard), the experts over dp; pp:
+    the activation and its gradient across each stage boundary per micro-batch.
     """
     m, layers = lay.micro_batches, model.layers // lay.pp
     tokens = lay.batch // (lay.dp * lay.ep * m) * model.seq // lay.cp  # per micro-batch and rank
@@ -157,16 +159,11 @@ def traffic(lay: Layout, model: MoEModel, hw: Hardware = H100) -> list[dict]:
     row("ep", ("ep",), "all_gather", "all-to-all", 4 * layers * m, a2a, lay.ep)
     dense = BF16 * model.dense_params / (lay.tp * lay.pp)
     experts = BF16 * model.expert_params / (lay.ep * lay.tp * lay.pp)
-    row(
-        "dp·ep·cp",
-        ("dp", "ep", "cp"),
-        "all_reduce",
-        "all-reduce (dense)",
-        1,
-        dense,
-        lay.dp * lay.ep * lay.cp,
-    )
-    row("dp", ("dp",), "all_reduce", "all-reduce (experts)", 1, experts, lay.dp)
+    shards = (("dp·ep·cp", ("dp", "ep", "cp"), "dense", dense), ("dp", ("dp",), "experts", experts))
+    for dim, dims, what, nbytes in shards:
+        n = math.prod(getattr(lay, d) for d in dims)
+        row(dim, dims, "all_gather", f"all-gather ({what})", 2 * m, nbytes, n)
+        row(dim, dims, "reduce_scatter", f"reduce-scatter ({what})", 1, nbytes, n)
     hop = act // lay.tp
     row("pp", ("pp",), "broadcast", "send/recv", 2 * m if lay.pp > 1 else 0, hop, 2)
     return rows
@@ -176,7 +173,8 @@ def step_time(lay: Layout, model: MoEModel, hw: Hardware = H100, efficiency: flo
     """Predicted step: compute ``(6·Ψ_active + 6·L·s·h)·tokens / (GPUs · peak · efficiency)`` (the
     second term: causal attention's scores), stretched by the pipeline's bubble
     ``(pp−1)/(m+pp−1)``, plus what communication cannot hide: tp, ep and pp all of it (on the
-    critical path), cp what exceeds attention's compute, dp what exceeds ⅔ of compute (backward).
+    critical path), cp what exceeds attention's compute, dp what exceeds all of compute (FSDP
+    prefetches, as :func:`mgtutorial.perf.scaling.predict_step` assumes).
 
     Returns {"compute", "bubble", dimension: exposed seconds, "step"}.
     """
@@ -188,9 +186,7 @@ def step_time(lay: Layout, model: MoEModel, hw: Hardware = H100, efficiency: flo
     comm = {d: 0.0 for d in ("tp", "cp", "ep", "dp", "pp")}
     for r in traffic(lay, model, hw):
         comm[r["dim"][:2]] += r["seconds"]
-    exposed = dict(
-        comm, cp=max(0.0, comm["cp"] - attention), dp=max(0.0, comm["dp"] - compute * 2 / 3)
-    )
+    exposed = dict(comm, cp=max(0.0, comm["cp"] - attention), dp=max(0.0, comm["dp"] - compute))
     return {
         "compute": compute,
         "bubble": bubble,

@@ -163,7 +163,7 @@ def test_mesh5d_places_groups_and_counts_states():
     "lay, match",
     [
         (mesh5d.Layout(tp=8), "pp·dp·ep·cp·tp = 8, not the 64 GPUs"),
-        (mesh5d.Layout(tp=64), "heads=32 is not divisible by tp=64"),
+        (mesh5d.Layout(tp=16, ep=4), "kv_heads=8 is not divisible by tp=16"),
         (mesh5d.Layout(ep=16, tp=4), "experts=8 is not divisible by ep=16"),
         (mesh5d.Layout(pp=64), "layers=32 is not divisible by pp=64"),
         (mesh5d.Layout(dp=64), "batch=64 is not divisible by dp·ep·micro_batches=512"),

@@ -40,6 +40,8 @@ class MoEModel:
     layers: int = 32
     hidden: int = 4096
     heads: int = 32
+    kv_heads: int = 8
+    """Key/value heads (grouped-query attention: each serves heads / kv_heads query heads)."""
     ffn: int = 14336
     experts: int = 8
     top_k: int = 2
@@ -47,8 +49,9 @@ class MoEModel:
 
     @property
     def dense_params(self) -> float:
-        """Attention's 4·h² per layer (q, k, v, o; router and norms left out)."""
-        return 4 * self.layers * self.hidden**2
+        """Attention per layer: q and o h² each, k and v h² · kv_heads / heads each (router and
+        norms left out)."""
+        return self.layers * self.hidden**2 * (2 + 2 * self.kv_heads / self.heads)
 
     @property
     def expert_params(self) -> float:
@@ -96,7 +99,7 @@ def check_layout(lay: Layout, model: MoEModel, gpus: int) -> None:
             f"product is {gpus}."
         )
     needs = [
-        ("heads", model.heads, "tp", lay.tp),
+        ("kv_heads", model.kv_heads, "tp", lay.tp),
         ("experts", model.experts, "ep", lay.ep),
         ("layers", model.layers, "pp", lay.pp),
         ("seq", model.seq, "2·cp", 2 * lay.cp),
@@ -130,13 +133,13 @@ def traffic(lay: Layout, model: MoEModel, hw: Hardware = H100) -> list[dict]:
     bandwidth its groups get (:func:`group_bw`) and the seconds per step.
 
     tp: Megatron's f/g, 4 all-reduces of the micro-batch's activations per layer (2 forward, 2
-    backward); cp: per layer the k/v ring (an all-gather's bytes) forward, k/v and their gradients
-    backward; ep: dispatch and combine, forward and backward (4 all-to-alls per layer, each rank
-    sending ``(ep−1)/ep`` of its ``top_k`` rows per token, timed as an all-gather of the same
-    size); dp: FSDP (ZeRO-3, as :func:`memory` assumes) gathers the bf16 weights in forward and
-    in backward of every micro-batch and reduce-scatters the gradients once per step, the dense
-    weights over dp·ep·cp (every rank holding the same dense shard), the experts over dp; pp:
-    the activation and its gradient across each stage boundary per micro-batch.
+    backward); cp: per layer the k/v ring (an all-gather's bytes; k and v have ``kv_heads`` heads)
+    forward, k/v and their gradients backward; ep: dispatch and combine, forward and backward (4
+    all-to-alls per layer, each rank sending ``(ep−1)/ep`` of its ``top_k`` rows per token, timed as
+    an all-gather of the same size); dp: FSDP (ZeRO-3, as :func:`memory` assumes) gathers the bf16
+    weights in forward and in backward of every micro-batch and reduce-scatters the gradients once
+    per step, the dense weights over dp·ep·cp (every rank holding the same dense shard), the experts
+    over dp; pp: the activation and its gradient across each stage boundary per micro-batch.
     """
     m, layers = lay.micro_batches, model.layers // lay.pp
     tokens = lay.batch // (lay.dp * lay.ep * m) * model.seq // lay.cp  # per micro-batch and rank
@@ -153,7 +156,8 @@ def traffic(lay: Layout, model: MoEModel, hw: Hardware = H100) -> list[dict]:
         )
 
     row("tp", ("tp",), "all_reduce", "all-reduce", 4 * layers * m, act, lay.tp)
-    kv = 2 * act // lay.tp * lay.cp  # every rank's k and v blocks together
+    # every rank's k and v blocks together: kv_heads / heads of the hidden size, split over tp
+    kv = 2 * act * model.kv_heads // model.heads // lay.tp * lay.cp
     row("cp", ("cp",), "all_gather", "send/recv ring", 3 * layers * m, kv, lay.cp)
     a2a = act * model.top_k // lay.tp
     row("ep", ("ep",), "all_gather", "all-to-all", 4 * layers * m, a2a, lay.ep)
@@ -199,7 +203,9 @@ def memory(lay: Layout, model: MoEModel) -> dict:
     """Bytes per GPU: model states (FSDP over the ranks that hold the same shard, "mixed": bf16
     parameters and gradients, fp32 master weights and Adam: 16 bytes per parameter), and the
     activations of the layers of one stage for ``min(pp, micro_batches)`` micro-batches in flight
-    (1F1B's first stage), with flash attention. Returns {"states", "activations", "total"}."""
+    (1F1B's first stage), with flash attention. The activations are a dense layer's (Korthikanti
+    et al.'s count): an MoE layer keeps top_k copies of each token's MLP activations, which this
+    leaves out. Returns {"states", "activations", "total"}."""
     dense = memory_per_rank(
         [(int(model.dense_params // (lay.tp * lay.pp)),)],
         lay.dp * lay.ep * lay.cp,

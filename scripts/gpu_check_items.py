@@ -948,3 +948,53 @@ def tp_parity(w: Where) -> dict:
 )
 def fsdp2_parity(w: Where) -> dict:
     return _ranks("fsdp2_parity", w, w.nprocs)[0]
+
+
+@item(
+    "ring_attention",
+    chapter="10a_context_parallel",
+    min_gpus=2,
+    timeout_s=150,
+    what="ring attention by hand (batch_isend_irecv on NCCL) == full attention, all GPUs; torch's "
+    "context_parallel on CUDA (flash/efficient SDPA) == full attention",
+)
+def ring_attention(w: Where) -> dict:
+    from mgtutorial.context_expert import config, cp_worker
+
+    cfg = config.CPConfig(seq=8 * w.nprocs, backend=w.backend)
+    v = _run(cp_worker.worker, cfg, w.nprocs, w).values[0]
+    figures = {
+        "max_diff": {name: v[name]["max_diff"] for name, _, _ in cp_worker.CASES},
+        "counts": v["zigzag"]["counts"],
+        "wrong_merge": v["wrong_merge"],
+        "context_parallel": v["context_parallel"],
+    }
+    expect(max(figures["max_diff"].values()) < 1e-4, "ring attention != full attention", figures)
+    expect(v["wrong_merge"] > 0.1, "the negative control was not caught", figures)
+    if w.cuda:  # on CPU the worker records why torch's version cannot run (its error)
+        cp = v["context_parallel"]
+        expect(cp["ran"] and cp["max_diff"] < 1e-3, "context_parallel != full attention", figures)
+    return figures
+
+
+@item(
+    "expert_parallel",
+    chapter="10b_expert_parallel",
+    min_gpus=2,
+    timeout_s=120,
+    what="MoE experts over all GPUs, all_to_all_single dispatch/combine on NCCL == one process; "
+    "bytes counted == predicted",
+)
+def expert_parallel(w: Where) -> dict:
+    from mgtutorial.context_expert import config, ep_worker
+
+    cfg = config.EPConfig(experts=2 * w.nprocs, backend=w.backend)
+    values = _run(ep_worker.worker, cfg, w.nprocs, w).values
+    figures = {
+        "max_diff": max(v["max_diff"] for v in values.values()),
+        "counted": [values[r]["counted"] for r in sorted(values)],
+        "predicted": [values[r]["predicted"] for r in sorted(values)],
+    }
+    expect(figures["max_diff"] < 1e-4, "expert-parallel layer != one process", figures)
+    expect(figures["counted"] == figures["predicted"], "all-to-all bytes != predicted", figures)
+    return figures

@@ -118,7 +118,10 @@ def counting_mode():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             name = collective_name(func)
-            if out is not NotImplemented and name in collectives:
+            if out is not NotImplemented and name == "all_to_all":
+                # c10d's alltoall_base_(output, input, …) returns only its work
+                self.sizes.setdefault(name, []).append([nbytes(args[1]), nbytes(args[0])])
+            elif out is not NotImplemented and name in collectives:
                 # c10d's ops return (tensors, work): the tensors are the call's own buffers
                 got = args[0] if isinstance(out, tuple) else out
                 self.sizes.setdefault(name, []).append([nbytes(args[0]), nbytes(got)])

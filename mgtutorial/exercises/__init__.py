@@ -1,4 +1,4 @@
-"""The exercise checkers of every chapter, one module per notebook (``ch00`` … ``ch09``).
+"""The exercise checkers of every chapter, one module per notebook (``ch00`` … ``ch10b``).
 
 In a notebook::
 
@@ -34,6 +34,8 @@ CHAPTERS = (
     "ch07",
     "ch08",
     "ch09",
+    "ch10a",
+    "ch10b",
 )
 
 __all__ = ["PASS", "CHAPTERS", "ExerciseError", "RankFailed", "passed", *CHAPTERS]

@@ -242,6 +242,8 @@ class Hardware:
     latency: float
     """Seconds per ring step (an assumption of the order nccl-tests show for small messages)."""
     sources: str
+    memory_bytes: float = 0.0
+    """Bytes of GPU memory (HBM) per GPU."""
     nics_per_node: int = 1
     """Network ports per node, each at ``inter_bw``. NCCL runs one ring (channel) per port and
     each ring leaves a node once, so the ports share a ring collective's inter-node traffic."""
@@ -271,10 +273,11 @@ H100 = Hardware(
     gpus_per_node=8,
     latency=5e-6,
     nics_per_node=8,
+    memory_bytes=80e9,
     sources=(
         "NVIDIA H100 Tensor Core GPU datasheet (https://www.nvidia.com/en-us/data-center/h100/): "
         "989 TFLOP/s dense BF16 (1979 with sparsity), NVLink 900 GB/s bidirectional = 450 GB/s "
-        "each way; NVIDIA DGX H100 user guide: 8 ConnectX-7 ports per node, NDR InfiniBand "
-        "400 Gb/s = 50 GB/s per port each way; the 5 µs per ring step is an assumption."
+        "each way, 80 GB HBM3; NVIDIA DGX H100 user guide: 8 ConnectX-7 ports per node, NDR "
+        "InfiniBand 400 Gb/s = 50 GB/s per port each way; the 5 µs per ring step is an assumption."
     ),
 )

@@ -2,8 +2,9 @@
 labels) that every rank and the single-process reference build identically, and the check that it
 fits in memory before any rank builds it.
 
-Taught in notebooks/04a_pipeline_gpipe.ipynb and notebooks/04b_pipeline_schedules.ipynb; used by :mod:`mgtutorial.pipeline.schedules`,
-:mod:`mgtutorial.pipeline.naive` and the article's sample (:mod:`mgtutorial.article`).
+Taught in notebooks/04a_pipeline_gpipe.ipynb and notebooks/04b_pipeline_schedules.ipynb; used
+by :mod:`mgtutorial.pipeline.schedules`, :mod:`mgtutorial.pipeline.naive` and the article's sample
+(:mod:`mgtutorial.article`).
 """
 
 from __future__ import annotations

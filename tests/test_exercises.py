@@ -33,7 +33,10 @@ WITH_EXERCISES = [
     p
     for p in NOTEBOOKS
     if (s := edition.exercises_start(nbformat.read(p, as_version=4))) is not None
-    and any(c.cell_type == "code" for c in nbformat.read(p, as_version=4).cells[s:])
+    and any(
+        c.cell_type == "markdown" and c.source.lstrip().startswith("### Exercise")
+        for c in nbformat.read(p, as_version=4).cells[s:]
+    )
 ]
 
 

@@ -30,12 +30,18 @@ def make_schedule(
     rank: int,
     world_size: int,
     device: torch.device,
+    group=None,
 ):
     """The schedule over this rank's stage ``modules``: stage ``rank + i·world_size`` for the
     i-th (one module per rank for GPipe and 1F1B, several for interleaved). Mean cross-entropy per
-    micro-batch; the schedule divides the summed gradients by ``n_microbatches``."""
+    micro-batch; the schedule divides the summed gradients by ``n_microbatches``. ``group``: the
+    process group of this pipeline's ranks (default: all ranks), in which ``rank`` and
+    ``world_size`` are counted (04b's pipeline × data parallel passes the mesh's "pp" group)."""
     n = len(modules) * world_size
-    stages = [PipelineStage(mod, rank + i * world_size, n, device) for i, mod in enumerate(modules)]
+    stages = [
+        PipelineStage(mod, rank + i * world_size, n, device, group=group)
+        for i, mod in enumerate(modules)
+    ]
     loss_fn = nn.functional.cross_entropy
     if schedule == "interleaved":  # several stages per rank: the schedule takes the list
         return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn)

@@ -1,5 +1,6 @@
 """Checkers of chapter 04's exercises (notebooks/04a_pipeline_gpipe.ipynb: 04a.1, 04a.2;
-notebooks/04b_pipeline_schedules.ipynb: 04b.1, 04b.2): the bubble formula, the
+notebooks/04b_pipeline_schedules.ipynb: 04b.1, 04b.2, 04b.3; 04b.4 in
+:mod:`mgtutorial.exercises.ch04_order`): the bubble formula, the
 peak activation bytes of each stage under GPipe and 1F1B, a balanced split of the MLP into
 stages, and the weighting of micro-batch losses."""
 
@@ -21,6 +22,7 @@ from mgtutorial.exercises._common import (
     require,
     run_ranks,
 )
+from mgtutorial.exercises.ch04_order import one_f_one_b  # noqa: F401  (04b.4)
 from mgtutorial.exercises.splits import check_split
 from mgtutorial.pipeline import schedules
 from mgtutorial.pipeline.bubble import bubble_formula, bubble_measured, ideal_events, step_span

@@ -94,16 +94,26 @@ def ideal_events(
     forward_s: float = 1.0,
     backward_s: float = 2.0,
 ) -> list[dict]:
-    """One step of ``schedule`` as the formula sees it, as events sorted by start: every forward
-    lasts ``forward_s``, every backward ``backward_s``, and a box starts the moment its
-    :func:`producer` has ended and its stage is free, in :func:`box_order` (no cost between
-    boxes). :func:`bubble_measured` of them is :func:`bubble_formula` for either schedule.
+    """One step of ``schedule`` as the formula sees it: :func:`lay_out` of every stage's
+    :func:`box_order`. :func:`bubble_measured` of it is :func:`bubble_formula` for either
+    schedule."""
+    orders = [box_order(schedule, s, num_stages, n_microbatches) for s in range(num_stages)]
+    return lay_out(orders, forward_s, backward_s)
+
+
+def lay_out(orders: list[list[tuple[str, int]]], forward_s=1.0, backward_s=2.0) -> list[dict]:
+    """An ideal step from each stage's order of boxes (``orders[s]``: ``(event, microbatch)``
+    pairs, event "forward" or "backward", as :func:`box_order` gives them), as events sorted by
+    start: every forward lasts ``forward_s``, every backward ``backward_s``, and a box starts the
+    moment its :func:`producer` has ended and its stage is free (no cost between boxes). Draw it
+    with :func:`mgtutorial.pipeline.timeline.gantt`. Taught in 04a (GPipe) and 04b (exercise
+    04b.4: your own 1F1B order).
 
     Raises:
-        RuntimeError: the order deadlocks (a stage waits for a box that waits for it).
+        RuntimeError: the orders deadlock (a stage waits for a box that waits for it).
     """
-    p = num_stages
-    pending = {s: box_order(schedule, s, p, n_microbatches) for s in range(p)}
+    p = len(orders)
+    pending = {s: list(order) for s, order in enumerate(orders)}
     end, free, evs = {}, [0.0] * p, []
     while any(pending.values()):
         progressed = False
@@ -122,7 +132,8 @@ def ideal_events(
                 pending[s].pop(0)
                 progressed = True
         if not progressed:
-            raise RuntimeError(f"the {schedule} order deadlocks (p={p}, m={n_microbatches})")
+            waiting = {s: order[0] for s, order in pending.items() if order}
+            raise RuntimeError(f"the orders deadlock: each stage's next box waits ({waiting})")
     return sorted(evs, key=lambda e: e["start"])
 
 

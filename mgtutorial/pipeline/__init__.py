@@ -4,6 +4,7 @@
 - ``schedules``: the config, each rank's own stage, the worker that runs every schedule
 - ``library``: ``torch.distributed.pipelining``'s stage and schedule, built and stepped
 - ``simulated``: a stage whose compute does not hold a core (the simulated device)
+- ``pp_dp``: pipeline × data parallel on a (dp, pp) mesh, each stage's gradients averaged
 - ``zero_bubble``: the zero-bubble schedules (backward split into I and W) and their ideal step
 - ``hand_gpipe``: GPipe by hand with send/recv, micro-batch losses weighted by their share
 - ``timeline``: the step's boxes, recorded from module hooks and drawn

@@ -19,17 +19,17 @@ def test_pp_dp_on_a_2x2_mesh_equals_one_process_and_needs_the_all_reduce(runs, n
     out = res.wait(timeout=180)
     assert {r: v["coords"] for r, v in out.values.items()} == {
         0: [0, 0],
-        1: [0, 1],
-        2: [1, 0],
+        1: [1, 0],
+        2: [0, 1],
         3: [1, 1],
-    }
+    }  # "pp" outer: a stage's replicas are neighbouring ranks
     for d in range(2):
         got = pp_dp.replica_params(res.run_dir, cfg, d, 2)
         torch.testing.assert_close(got, ref.state_dict(), rtol=1e-5, atol=1e-6)
     # each rank all-reduces each of its stage's 4 parameters (2 Linear: weight, bias) once a step
     assert all(v["collectives"] == {"all_reduce": 4} for v in out.values.values())
     # the last stage of each replica sees its half of the batch: the mean of the two is the loss
-    halves = [out.values[r]["losses"] for r in (1, 3)]
+    halves = [out.values[r]["losses"] for r in (2, 3)]
     assert [(a + b) / 2 for a, b in zip(*halves)] == pytest.approx(ref_losses, rel=1e-5)
 
     # the negative control: without the all-reduce the replicas drift from one process and apart

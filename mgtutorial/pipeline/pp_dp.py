@@ -5,10 +5,13 @@ Taught in notebooks/04b_pipeline_schedules.ipynb (section 6). Follows
 https://pytorch.org/docs/stable/distributed.pipelining.html (a ``PipelineStage`` takes the process
 group of its pipeline) and https://pytorch.org/docs/stable/distributed.html#devicemesh
 (``init_device_mesh`` with named dimensions), as PyTorch's own composability tests
-(test/distributed/_composable/test_composability/test_pp_composability.py) and torchtitan build
-PP × DP: a mesh ``(dp, pp)``, the pipeline over ``mesh["pp"]``, the replicas over ``mesh["dp"]``.
+(test/distributed/_composable/test_composability/test_pp_composability.py) and torchtitan
+(``ParallelDims``) build PP × DP: the pipeline over ``mesh["pp"]``, the replicas over
+``mesh["dp"]``.
 
-On ``dp × pp`` ranks, rank ``d·pp + s`` holds stage s of replica d. Each replica takes its
+On ``pp × dp`` ranks, rank ``s·dp + d`` holds stage s of replica d: "pp" is the outer dimension, as
+in torchtitan, so a stage's replicas are neighbouring ranks (on a cluster, the same node) and only
+the pipeline's point-to-point hand-offs cross nodes. Each replica takes its
 ``batch_size / dp`` rows of every batch, runs them through its pipeline in ``n_microbatches``
 micro-batches, and, before the optimizer steps, all-reduces each gradient over its stage's
 "dp" group and divides by ``dp``: the mean over the whole batch, as one process computes it.
@@ -109,7 +112,7 @@ def average_gradients(module: nn.Module, group: dist.ProcessGroup) -> None:
 
 
 def worker(cfg: PPDPConfig) -> dict:
-    """Stage s of replica d on rank ``d·pp + s`` of a ``(dp, pp)`` mesh; trains ``cfg.steps``
+    """Stage s of replica d on rank ``s·dp + d`` of a ``("pp", "dp")`` mesh; trains ``cfg.steps``
     steps and writes the stage's parameters to ``<run dir>/replica<d>-stage<s>.pt``.
 
     Returns {"coords": [d, s], "losses" (the last stage's, per step; [] elsewhere),
@@ -125,7 +128,7 @@ def worker(cfg: PPDPConfig) -> dict:
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
         cfg.validate(ctx.world_size)
         pp = ctx.world_size // cfg.dp
-        mesh = init_device_mesh(ctx.device.type, (cfg.dp, pp), mesh_dim_names=("dp", "pp"))
+        mesh = init_device_mesh(ctx.device.type, (pp, cfg.dp), mesh_dim_names=("pp", "dp"))
         d, s = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
         stage = schedules.build_stage(cfg, s, pp).to(ctx.device)  # stage s, as in every replica
         schedule = library.make_schedule(

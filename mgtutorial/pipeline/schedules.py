@@ -149,8 +149,10 @@ def initial_mlp(cfg: PipelineConfig) -> models.ArticleMLP:
 def build_stage(cfg: PipelineConfig, stage: int, num_stages: int) -> nn.Sequential:
     """Stage ``stage`` of ``num_stages`` and nothing else, on the CPU: the whole MLP is only
     described, on the meta device (shapes, no memory); the cut is made there, and only this stage's
-    sub-networks get memory (``to_empty``) and weights (:func:`init_subnets`), as in
-    https://pytorch.org/tutorials/intermediate/pipelining_tutorial.html."""
+    sub-networks get memory (``to_empty``) and weights (:func:`init_subnets`). The meta-device
+    build follows https://pytorch.org/tutorials/intermediate/pipelining_tutorial.html, which
+    materialises on the rank's device; here the CPU's generator draws the weights (the worker then
+    moves the stage), so that every split, on any device, starts from :func:`initial_mlp`'s."""
     with torch.device("meta"):
         whole = models.ArticleMLP(tuple(cfg.sizes))
     mine = whole.split(num_stages)[stage]

@@ -97,7 +97,8 @@ def one_f_one_b(order_fn) -> None:
         if _warmup(orders[wrong]) > _warmup(right[wrong]):
             raise ExerciseError(
                 ex,
-                f"{where}: {cost}, but your warm-up makes this stage hold "
+                f"{where}: {cost}, {'and' if got > ideal + 1e-9 else 'but'} your warm-up makes "
+                "this stage hold "
                 f"{held_at_peak(orders[wrong])} micro-batches at its peak, more than that bubble "
                 "needs (the formula's bubble with fewer held is the point of 1F1B)",
             )

@@ -52,7 +52,7 @@ test-notebooks: $(STAMP)
 	$(PYTEST) notebooks --nbval-lax
 
 # One chapter under nbval, as make test runs it: NB=02 is notebooks/02_*.ipynb, NB=03a one
-# notebook, NB=03 both 03a and 03b.
+# notebook, NB=03 both 03a and 03b; PYTEST_ARGS adds pytest options here too.
 NB ?=
 test-notebook: $(STAMP)  ## one chapter under nbval: make test-notebook NB=02
 	@files="$$(ls notebooks/$(NB)_*.ipynb notebooks/$(NB)[a-z]_*.ipynb 2>/dev/null)"; \
@@ -60,8 +60,8 @@ test-notebook: $(STAMP)  ## one chapter under nbval: make test-notebook NB=02
 		echo "make test-notebook NB=<chapter>: NB=$(NB) names no notebooks/<NB>_*.ipynb (e.g. NB=02)"; \
 		exit 2; \
 	fi; \
-	echo "$(PY) -m pytest -p no:cacheprovider --nbval-lax $$files"; \
-	$(PY) -m pytest -p no:cacheprovider --nbval-lax $$files
+	echo "$(PY) -m pytest -p no:cacheprovider --nbval-lax $(PYTEST_ARGS) $$files"; \
+	$(PY) -m pytest -p no:cacheprovider --nbval-lax $(PYTEST_ARGS) $$files
 
 test-e2e: $(STAMP) chromium  ## chapter 02 in JupyterLab in headless Chromium; screenshots in test-artifacts/e2e
 	$(PY) -m pytest tests/e2e -v

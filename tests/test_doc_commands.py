@@ -28,18 +28,19 @@ RUN = {
     },
     "make check": {},
     "make student": {},
-    "make test-notebook NB=00": {},
+    "make test-notebook NB=00": {"PYTEST_ARGS": "--collect-only -q"},
     "make clean-runs": {},
     "make gpu-check GPU_CHECK_ARGS=--list": {},
     ".venv/bin/python -m mgtutorial --help": {},
     ".venv/bin/python -m mgtutorial ddp --help": {},
     ".venv/bin/python -m mgtutorial describe": {},
-    ".venv/bin/python -m mgtutorial check": {},
     ".venv/bin/python scripts/workshop_table.py": {},
 }
 """Commands run here, in this order, each with its short settings: environment variables, or
-``append`` (options added at the end)."""
+``append`` (options added at the end). ``make test-notebook NB=00`` only collects the notebook's
+cells (its file selection runs; the cells run under nbval in ``make test`` itself)."""
 
+SAME_AS_MAKE_CHECK = "the command `make check` runs (test_make_targets_run_the_commands_they_name)"
 SERVER = "starts JupyterLab, which runs until stopped (tests/e2e starts it and drives it)"
 SUITE = "the test suite that runs this test"
 NOT_RUN = {
@@ -58,6 +59,7 @@ NOT_RUN = {
     ".venv/bin/python -m mgtutorial data cifar10": "downloads 170 MB (its failures are tested "
     "offline in tests/test_bad_input.py)",
     ".venv/bin/python -m mgtutorial check --master-port N": "N is a port to fill in",
+    ".venv/bin/python -m mgtutorial check": SAME_AS_MAKE_CHECK,
     "conda env create -f environment.yml && conda activate mgtutorial": "needs conda",
     "ls -l": "names the tool a file size was measured with",
 }
@@ -134,6 +136,18 @@ def test_no_command_names_a_bare_python():
             assert "python -m mgtutorial" not in cmd.replace(".venv/bin/python", ""), cmd
 
 
+def test_make_targets_run_the_commands_they_name():
+    """``make check`` is ``.venv/bin/python -m mgtutorial check``, which is therefore run once."""
+    out = subprocess.run(
+        ["make", "-n", "check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert out[-1] == ".venv/bin/python -m mgtutorial check", out
+
+
 def _copy_project(dest: Path) -> None:
     """The tracked and untracked (not ignored) files, with their times, and the environment."""
     listed = subprocess.run(
@@ -181,6 +195,8 @@ def test_the_commands_work_as_written(tmp_path, no_leftovers):
         if cmd == "make demo":
             (run_dir,) = (project / "runs").iterdir()
             assert (run_dir / "loss.png").exists() and "final test accuracy" not in out.stderr
+        if cmd == "make test-notebook NB=00":
+            assert "00_setup.ipynb::Cell 0" in out.stdout, out.stdout[-2000:]
         if cmd == "make clean-runs":
             assert not (project / "runs").exists()
     assert (project / "student" / "00_setup.ipynb").exists()

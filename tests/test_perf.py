@@ -282,7 +282,11 @@ def test_sweep_and_step_workers_report_every_point(runs, no_leftovers):
             backend="gloo",
             warmup=1,
             steps=2,
-            variants=[{"batch_size": 8, "mode": "alone"}, {"batch_size": 8, "mode": "independent"}],
+            variants=[
+                {"batch_size": 8, "mode": "alone"},
+                {"batch_size": 8, "mode": "independent"},
+                {"batch_size": 8, "mode": "lockstep"},
+            ],
         ),
         2,
         runs_dir=runs,
@@ -303,8 +307,10 @@ def test_sweep_and_step_workers_report_every_point(runs, no_leftovers):
     assert all(0 < v["fwd_cpu_s"] and 0 < v["bwd_cpu_s"] for v in variants)
     alone = alone.wait(timeout=200).values
     assert alone[1][0] == {"batch_size": 8, "mode": "alone", "idle": True}  # rank 1 waited
-    trained_alone = [alone[0][0], alone[0][1], alone[1][1]]
-    assert [v["world_size"] for v in trained_alone] == [1, 1, 1]
+    trained_alone = [alone[0][0], alone[0][1], alone[1][1], alone[0][2], alone[1][2]]
+    assert [v["world_size"] for v in trained_alone] == [1, 1, 1, 1, 1]
+    # lockstep: a barrier after every step, so the ranks' step starts stay together
+    assert len(alone[0][2]["step_times"]) == len(alone[1][2]["step_times"]) == 1
 
 
 def test_scaling_ratios_by_hand():

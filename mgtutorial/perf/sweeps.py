@@ -29,7 +29,7 @@ from mgtutorial.perf.timing import sync, time_op
 from mgtutorial.runtime import env, runlog
 
 KIB, MIB = 1024, 1024 * 1024
-Mode = Literal["ddp", "independent", "alone"]
+Mode = Literal["ddp", "independent", "lockstep", "alone"]
 """How a variant of :func:`step_worker` trains (see :attr:`StepConfig.variants`)."""
 MODES = get_args(Mode)
 
@@ -128,13 +128,20 @@ class TimedTrainer(ddp.Trainer):
     starts is the whole step (data loading and logging included). On a GPU
     the phases end with :func:`~mgtutorial.perf.timing.sync`, which costs some overlap but makes
     the split honest. Step number ``profile_step`` (if set) runs under ``torch.profiler`` and its
-    Chrome trace goes to ``trace``.
+    Chrome trace goes to ``trace``; ``step_barrier``: all ranks meet at a barrier after each step.
     """
 
-    def __init__(self, *args, profile_step: int | None = None, trace: str | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        profile_step: int | None = None,
+        trace: str | None = None,
+        step_barrier: bool = False,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.phases: list[tuple] = []
-        self.profile_step, self.trace = profile_step, trace
+        self.profile_step, self.trace, self.step_barrier = profile_step, trace, step_barrier
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.step != self.profile_step:
@@ -161,6 +168,8 @@ class TimedTrainer(ddp.Trainer):
         sync(self.ctx.device)
         t3 = time.perf_counter()
         self.phases.append((t0, t1 - t0, t2 - t1, t3 - t2, len(x), c0, h1 - h0, h2 - h1))
+        if self.step_barrier:  # "lockstep": every rank waits for the slowest, as under DDP
+            dist.barrier()
         return loss.item()
 
 
@@ -177,7 +186,9 @@ class StepConfig(ddp.DDPConfig):
     (``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``); every variant trains
     ``warmup + steps`` steps with a fresh model, all ranks starting it together (a barrier).
     ``mode``: "ddp" (default); "independent": each rank trains alone (no DDP, no collectives)
-    on the whole data set, N independent trainings at once, the machine's ceiling; "alone":
+    on the whole data set, N independent trainings at once, the machine's ceiling; "lockstep":
+    as "independent", with a barrier of all ranks after every step (DDP's synchrony without its
+    gradients); "alone":
     rank 0 trains alone while the others wait (idle) at a barrier."""
     warmup: int = 3
     """Steps per variant that are not counted."""
@@ -227,6 +238,7 @@ def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None, barrier:
         run_cfg,
         profile_step=n if trace else None,
         trace=trace,
+        step_barrier=variant.get("mode") == "lockstep",
     )
     if barrier:
         dist.barrier()

@@ -54,6 +54,8 @@ def _mistake(estimate, probes) -> str | None:
         "leaves out the gradients (fp32, as the dtype table says)": lambda p, v: (
             p["total"] - p["grads"]
         ),
+        "counts a second gradient: the exercise's DDP runs with gradient_as_bucket_view=True, "
+        "its buckets are the gradients": lambda p, v: p["total"] + p["grads"],
         "leaves out the activations: backward needs what forward kept, L layers' worth on "
         "1F1B's first stage": lambda p, v: p["total"] - p["activations"],
         "divides parameters, gradients and optimizer state by dp: DDP keeps a full replica per "

@@ -12,11 +12,15 @@ tokens, 16-bit activations, a heads, tensor-parallel degree t, no sequence paral
 * selective (attention's s²-sized softmax and dropout recomputed): ``s·b·h·(10 + 24/t)``;
 * full (each layer's input kept, the rest recomputed): ``2·s·b·h``.
 
-Data parallelism is DDP's (chapter 02): each of the dp replicas holds its parameters, gradients
-and optimizer state in full; with ``fsdp=True`` FSDP2 (chapter 07b) shards all three over dp. A
-pipeline of pp stages under 1F1B (chapter 04b) holds L/pp layers per GPU, and its first stage keeps
-the activations of pp micro-batches in flight: L/pp · pp = L layers' worth, whatever pp.
-Left out: embeddings, temporary buffers, the allocator's fragmentation.
+Data parallelism is DDP's (chapter 02) with ``gradient_as_bucket_view=True`` (the gradients are
+views into DDP's buckets; the default keeps a second fp32 copy, 4 more bytes per parameter): each
+of the dp replicas holds its parameters, gradients and optimizer state in full; with
+``fsdp=True`` FSDP2 (chapter 07b) shards all three over dp. A pipeline of pp stages under 1F1B
+(chapter 04b) holds L/pp layers per GPU, and its first stage keeps the activations of pp
+micro-batches in flight: L/pp · pp = L layers' worth, whatever pp.
+
+Left out: embeddings and logits, the bf16 working copies of the weights, the working set of a
+recomputed layer, temporary buffers, the allocator's fragmentation: an estimate needs a margin.
 
 Units: bytes.
 """

@@ -40,6 +40,16 @@ def memory_bandwidth(nbytes: int = 128 * 2**20, repeats: int = 5) -> float:
     return 2 * nbytes / _timed(lambda: dst.copy_(src), repeats)
 
 
+def l3_bytes() -> int | None:
+    """The L3 cache's size in bytes as Linux reports it (sysfs), or None where it does not."""
+    try:
+        text = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
+    except OSError:
+        return None
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
 def cnn_kernels(model, batch: int, repeats: int = 7) -> list[dict]:
     """The forward kernels of :class:`mgtutorial.common.models.ArticleCNN` on ``batch`` images
     of 3×32×32, each timed alone (fastest of ``repeats``, one thread): dicts of ``name``,

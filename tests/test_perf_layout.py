@@ -58,6 +58,7 @@ def parts(v):
             lambda *v: parts(v)["total"] - parts(v)["activations"] * (1 - 1 / v[2]),
             "first stage keeps pp micro-batches",
         ),
+        (lambda *v: parts(v)["total"] + parts(v)["grads"], "gradient_as_bucket_view=True"),
         (lambda *v: 1.5 * right(*v), "too large"),
     ],
 )
@@ -90,6 +91,11 @@ def test_roofline_arithmetic_by_hand():
     r = roofline.tp_ratio(1024, 4096, 2, 0.0, 1e-9, 1e11)
     assert r == pytest.approx(1e-9 * 1e11 * 2 / (6 * 1024))
     assert roofline.tp_ratio(1024, 8192, 2, 0.0, 1e-9, 1e11) == pytest.approx(r)
+
+
+def test_l3_size_is_read_or_none():
+    size = roofline.l3_bytes()
+    assert size is None or size >= 2**20
 
 
 def test_cnn_kernels_count_flops_and_bytes():

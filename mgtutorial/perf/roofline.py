@@ -99,8 +99,10 @@ def comm_bound_batch(
     """The per-rank batch below which a step's communication ``comm_s`` (seconds, independent of
     the batch: gradients or parameters) exceeds the compute that can hide it: compute =
     batch × ``flops_per_sample`` / ``peak_flops``; ``hidden_share`` of it lies before the
-    communication can start (0: all of it can hide it). Returns ``comm_s / (per-sample time ×
-    (1 − hidden_share))``, in samples."""
+    communication can start (0: all of it could hide it). Without overlap (gloo on a CPU, where
+    the collectives add to the step) the same batch with ``hidden_share=0`` is where
+    communication is half the step. Returns ``comm_s / (per-sample time × (1 − hidden_share))``,
+    in samples."""
     return comm_s / (flops_per_sample / peak_flops * (1 - hidden_share))
 
 

@@ -3,9 +3,10 @@
 Each repeat is one all-reduce sweep (α–β fitted on the fastest call, in wall time and in the
 process's CPU time) and one 2-rank job of :func:`mgtutorial.perf.sweeps.step_worker` that trains,
 per per-rank batch in turn, "lockstep" (independent ranks with a barrier after every step) and
-"ddp". Predicted DDP step = lockstep step + the buckets' α + β·S + the logging's α (+ the bucket
-copies, measured once); the same terms in CPU time predict DDP's CPU time per step. Writes, per
-batch, the median over repeats of predicted / measured in both clocks, and the load average.
+"ddp". Predicted DDP step = lockstep step (its barrier stands for the logging's all-reduce) +
+the buckets' α + β·S + the bucket copies (measured once); the same terms in CPU time predict
+DDP's CPU time per step. Writes, per batch, the median over repeats of predicted / measured in
+both clocks, and the load average.
 Run, not asserted on::
 
     python benchmarks/step_model.py --out benchmarks/results/step_model.json --repeats 5
@@ -57,7 +58,7 @@ def one_repeat(batches: list[int], runs: Path, copies: float) -> dict[int, dict]
     grads = [p.numel() * 4 for p in reversed(list(models.ArticleCNN().parameters()))]
     buckets = costmodel.bucket_layout(grads, 25 * 2**20, 2**20)
     added = {
-        k: sum(costmodel.alpha_beta_time(b, *fit) for b in buckets) + fit[0] + copies
+        k: sum(costmodel.alpha_beta_time(b, *fit) for b in buckets) + copies
         for k, fit in fits.items()
     }
     modes = ("lockstep", "ddp")

@@ -8,7 +8,10 @@ follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Tran
 (https://arxiv.org/abs/2205.05198), §4, in bytes per layer for a micro-batch of b sequences of s
 tokens, 16-bit activations, a heads, tensor-parallel degree t, no sequence parallelism:
 
-* none: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``;
+* none: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``, the last term attention's s×s scores, softmax and
+  dropout, kept as an eager attention keeps them (``F.scaled_dot_product_attention``'s fused
+  kernels keep only q, k, v, the output and a per-row logsumexp: no s² term, so "none" then
+  costs about what "selective" does);
 * selective (attention's s²-sized softmax and dropout recomputed): ``s·b·h·(10 + 24/t)``;
 * full (each layer's input kept, the rest recomputed): ``2·s·b·h``.
 
@@ -70,7 +73,8 @@ def memory_per_gpu(
     pp: int,
     recompute: Recompute = "none",
     micro_batch: int = 1,
-    heads: int = 16,
+    *,
+    heads: int,
     dtypes: Dtypes = BF16_FP32_REDUCE,
     fsdp: bool = False,
 ) -> dict[str, float]:

@@ -86,8 +86,9 @@ def sweep_worker(cfg: SweepConfig) -> list[dict]:
 
     Logs and returns ``kind="collective_time"`` records: ``op``, ``nbytes``, ``world_size``,
     ``time_s`` (median over repeats of the max over ranks), ``time_min_s`` (the fastest repeat:
-    the one a busy machine disturbed least), ``times`` (s), ``cpu_min_s`` (this rank's CPU time
-    for the fastest call, all its threads: what the collective costs a core, waiting excluded).
+    the one a busy machine disturbed least), ``times`` (s), ``cpu_min_s`` (the smallest CPU time
+    of this rank's timed calls, all its threads, not necessarily the fastest call's: what the
+    collective costs a core at least, waiting excluded).
     """
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
         out = []

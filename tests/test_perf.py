@@ -282,7 +282,11 @@ def test_sweep_and_step_workers_report_every_point(runs, no_leftovers):
             backend="gloo",
             warmup=1,
             steps=2,
-            variants=[{"batch_size": 8, "mode": "alone"}, {"batch_size": 8, "mode": "independent"}],
+            variants=[
+                {"batch_size": 8, "mode": "alone"},
+                {"batch_size": 8, "mode": "independent"},
+                {"batch_size": 8, "mode": "lockstep"},
+            ],
         ),
         2,
         runs_dir=runs,
@@ -292,16 +296,21 @@ def test_sweep_and_step_workers_report_every_point(runs, no_leftovers):
         (op, s) for op in costmodel.COLLECTIVES for s in (4096, 65536)
     ]
     assert all(len(r["times"]) == 2 and r["world_size"] == 2 for r in records)
+    assert all(0 < r["cpu_min_s"] for r in records)  # the process's CPU time of a call
     variants = steps.wait(timeout=200).values[1]
     assert [(v["batch_size"], v.get("static_graph"), len(v["step_times"])) for v in variants] == [
         (8, None, 2),
         (4, True, 2),
     ]
     assert all(v["world_size"] == 2 for v in variants)
+    assert all(len(v["cpu_times"]) == len(v["step_times"]) for v in variants)
+    assert all(0 < v["fwd_cpu_s"] and 0 < v["bwd_cpu_s"] for v in variants)
     alone = alone.wait(timeout=200).values
     assert alone[1][0] == {"batch_size": 8, "mode": "alone", "idle": True}  # rank 1 waited
-    trained_alone = [alone[0][0], alone[0][1], alone[1][1]]
-    assert [v["world_size"] for v in trained_alone] == [1, 1, 1]
+    trained_alone = [alone[0][0], alone[0][1], alone[1][1], alone[0][2], alone[1][2]]
+    assert [v["world_size"] for v in trained_alone] == [1, 1, 1, 1, 1]
+    # lockstep: a barrier after every step, so the ranks' step starts stay together
+    assert len(alone[0][2]["step_times"]) == len(alone[1][2]["step_times"]) == 1
 
 
 def test_scaling_ratios_by_hand():

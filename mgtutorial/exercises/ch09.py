@@ -1,8 +1,9 @@
 """Checkers of chapter 09's exercises: in notebooks/09a_cost_model.ipynb bus bandwidth (09a.1), a
 timing function that is right on a GPU (09a.2, in :mod:`mgtutorial.exercises.ch09_timing`) and the
-explorer's question (09a.3); in notebooks/09b_measurement.ipynb the exposed all-reduce of a DDP step
-(09b.1) and DDP's buckets for a tiny cap (09b.2, in :mod:`mgtutorial.exercises.ch09_buckets`); all
-five are reached as ``ex.ch09.<checker>``.
+explorer's question (09a.3), a layout that fits a memory budget (09a.4, in
+:mod:`mgtutorial.exercises.ch09_layout`); in notebooks/09b_measurement.ipynb the exposed all-reduce
+of a DDP step (09b.1) and DDP's buckets for a tiny cap (09b.2, in
+:mod:`mgtutorial.exercises.ch09_buckets`); all six are reached as ``ex.ch09.<checker>``.
 
 Nothing here asserts on a measured duration: 09a.1, 09a.3 and 09b.1 compare with
 :mod:`mgtutorial.perf.costmodel` and :mod:`mgtutorial.perf.scaling`, 09b.2 with the buckets a real
@@ -16,6 +17,7 @@ import dataclasses
 
 from mgtutorial.exercises._common import answered, attempt, close, passed, require
 from mgtutorial.exercises.ch09_buckets import CAP_MB, buckets
+from mgtutorial.exercises.ch09_layout import layout_choice
 from mgtutorial.exercises.ch09_timing import FakeDevice, timing
 from mgtutorial.perf import costmodel, scaling
 
@@ -31,6 +33,7 @@ __all__ = [
     "explorer",
     "explorer_efficiency",
     "exposed",
+    "layout_choice",
     "timing",
 ]
 
@@ -159,8 +162,7 @@ def explorer(ports=..., link_gbs=...) -> None:
     require(
         ports == 1 or explorer_efficiency(ports=ports - 1) < PORTS_TARGET,
         ex,
-        f"{ports - 1} port(s) already give "
-        f"{explorer_efficiency(ports=ports - 1):.0%}: look for fewer",
+        f"a smaller count than {ports} already reaches {PORTS_TARGET:.0%}: look for fewer",
     )
     lo, hi = 1.0, 900.0
     for _ in range(60):

@@ -29,7 +29,7 @@ from mgtutorial.perf.timing import sync, time_op
 from mgtutorial.runtime import env, runlog
 
 KIB, MIB = 1024, 1024 * 1024
-Mode = Literal["ddp", "independent", "alone"]
+Mode = Literal["ddp", "independent", "lockstep", "alone"]
 """How a variant of :func:`step_worker` trains (see :attr:`StepConfig.variants`)."""
 MODES = get_args(Mode)
 
@@ -86,13 +86,21 @@ def sweep_worker(cfg: SweepConfig) -> list[dict]:
 
     Logs and returns ``kind="collective_time"`` records: ``op``, ``nbytes``, ``world_size``,
     ``time_s`` (median over repeats of the max over ranks), ``time_min_s`` (the fastest repeat:
-    the one a busy machine disturbed least), ``times`` (s).
+    the one a busy machine disturbed least), ``times`` (s), ``cpu_min_s`` (the smallest CPU time
+    of this rank's timed calls, all its threads, not necessarily the fastest call's: what the
+    collective costs a core at least, waiting excluded).
     """
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
         out = []
         for op in cfg.ops:
             for nbytes in cfg.sizes:
-                fn = collective_call(op, nbytes, ctx.world_size, ctx.device)
+                call, cpu = collective_call(op, nbytes, ctx.world_size, ctx.device), []
+
+                def fn(call=call, cpu=cpu):  # the process's CPU time too (gloo's threads)
+                    c0 = time.process_time()
+                    call()
+                    cpu.append(time.process_time() - c0)
+
                 seconds = time_op(fn, ctx.device, cfg.warmup, cfg.repeats, barrier=True)
                 t = torch.tensor(seconds, device=ctx.device)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)  # done when the last rank is done
@@ -105,6 +113,7 @@ def sweep_worker(cfg: SweepConfig) -> list[dict]:
                     time_s=statistics.median(times),
                     time_min_s=min(times),
                     times=times,
+                    cpu_min_s=min(cpu[cfg.warmup :]),
                 )
                 out.append(record)
         return out
@@ -113,18 +122,27 @@ def sweep_worker(cfg: SweepConfig) -> list[dict]:
 class TimedTrainer(ddp.Trainer):
     """Chapter 02's Trainer whose ``_run_batch`` also times forward, backward and optimizer step.
 
-    ``self.phases`` gets one ``(start, fwd_s, bwd_s, opt_s, samples)`` tuple per step
-    (perf_counter s; ``samples`` this step's batch, smaller for an epoch's last, partial batch);
-    the time between two starts is the whole step (data loading and logging included). On a GPU
+    ``self.phases`` gets one ``(start, fwd_s, bwd_s, opt_s, samples, cpu_start, fwd_cpu_s,
+    bwd_cpu_s)`` tuple per step (perf_counter s; ``samples`` this step's batch, smaller for an
+    epoch's last, partial batch; ``cpu_start``: the process's CPU time, all its threads, gloo's
+    included; ``*_cpu_s``: the training thread's CPU time in the phase); the time between two
+    starts is the whole step (data loading and logging included). On a GPU
     the phases end with :func:`~mgtutorial.perf.timing.sync`, which costs some overlap but makes
     the split honest. Step number ``profile_step`` (if set) runs under ``torch.profiler`` and its
-    Chrome trace goes to ``trace``.
+    Chrome trace goes to ``trace``; ``step_barrier``: all ranks meet at a barrier after each step.
     """
 
-    def __init__(self, *args, profile_step: int | None = None, trace: str | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        profile_step: int | None = None,
+        trace: str | None = None,
+        step_barrier: bool = False,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
-        self.phases: list[tuple[float, float, float, float, int]] = []
-        self.profile_step, self.trace = profile_step, trace
+        self.phases: list[tuple] = []
+        self.profile_step, self.trace, self.step_barrier = profile_step, trace, step_barrier
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.step != self.profile_step:
@@ -138,18 +156,21 @@ class TimedTrainer(ddp.Trainer):
         return loss
 
     def _timed_batch(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        t0 = time.perf_counter()
+        t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(x), y)
         sync(self.ctx.device)
-        t1 = time.perf_counter()
+        t1, h1 = time.perf_counter(), time.thread_time()
         # DDP's all-reduces run during this call; gloo waits for the last one at its end
         loss.backward()
         sync(self.ctx.device)
-        t2 = time.perf_counter()
+        t2, h2 = time.perf_counter(), time.thread_time()
         self.optimizer.step()
         sync(self.ctx.device)
-        self.phases.append((t0, t1 - t0, t2 - t1, time.perf_counter() - t2, len(x)))
+        t3 = time.perf_counter()
+        self.phases.append((t0, t1 - t0, t2 - t1, t3 - t2, len(x), c0, h1 - h0, h2 - h1))
+        if self.step_barrier:  # "lockstep": every rank waits for the slowest, as under DDP
+            dist.barrier()
         return loss.item()
 
 
@@ -166,7 +187,9 @@ class StepConfig(ddp.DDPConfig):
     (``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``); every variant trains
     ``warmup + steps`` steps with a fresh model, all ranks starting it together (a barrier).
     ``mode``: "ddp" (default); "independent": each rank trains alone (no DDP, no collectives)
-    on the whole data set, N independent trainings at once, the machine's ceiling; "alone":
+    on the whole data set, N independent trainings at once, the machine's ceiling; "lockstep":
+    as "independent", with a barrier of all ranks after every step (DDP's synchrony without its
+    gradients); "alone":
     rank 0 trains alone while the others wait (idle) at a barrier."""
     warmup: int = 3
     """Steps per variant that are not counted."""
@@ -216,6 +239,7 @@ def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None, barrier:
         run_cfg,
         profile_step=n if trace else None,
         trace=trace,
+        step_barrier=variant.get("mode") == "lockstep",
     )
     if barrier:
         dist.barrier()
@@ -226,19 +250,21 @@ def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None, barrier:
     timed = [p for p in trainer.phases[cfg.warmup : n] if p[4] == full]
     starts = trainer.phases[cfg.warmup : n + 1]
     steps = [b[0] - a[0] for a, b in zip(starts, starts[1:]) if a[4] == full]
+    cpu = [b[5] - a[5] for a, b in zip(starts, starts[1:]) if a[4] == full]
     extra = {}
     if trace:
         extra["trace"] = trace
         extra["grad_bytes"] = [
             p.numel() * p.element_size() for p in reversed(list(model.parameters()))
         ]
-    phases = ("fwd_s", "bwd_s", "opt_s")
+    phases = {"fwd_s": 1, "bwd_s": 2, "opt_s": 3, "fwd_cpu_s": 6, "bwd_cpu_s": 7}
     return {
         **variant,
         **extra,
         "world_size": ctx.world_size,
         "step_times": steps,
-        **{k: statistics.median(p[i] for p in timed) for i, k in enumerate(phases, 1)},
+        **{k: statistics.median(p[i] for p in timed) for k, i in phases.items()},
+        "cpu_times": cpu,
         "step_s": statistics.median(steps),
         "samples_per_s": run_cfg.batch_size / statistics.median(steps),
     }

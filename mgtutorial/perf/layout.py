@@ -1,0 +1,89 @@
+"""Memory per GPU of a (dp, tp, pp, recompute) layout of a transformer: the model a layout must fit.
+
+Taught in notebooks/09a_cost_model.ipynb (exercise 09a.4). Pure arithmetic, like
+:mod:`mgtutorial.perf.costmodel`, whose dtype table (:class:`~mgtutorial.perf.costmodel.Dtypes`)
+prices the parameters, gradients and Adam(W) state (chapter 07a's 16 bytes per parameter with
+fp32 gradients), and :class:`mgtutorial.perf.scaling.Transformer`'s Ψ = 12·L·h². Activations
+follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(https://arxiv.org/abs/2205.05198), §4, in bytes per layer for a micro-batch of b sequences of s
+tokens, 16-bit activations, a heads, tensor-parallel degree t, no sequence parallelism:
+
+* none: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``, the last term attention's s×s scores, softmax and
+  dropout, kept as an eager attention keeps them (``F.scaled_dot_product_attention``'s fused
+  kernels keep only q, k, v, the output and a per-row logsumexp: no s² term, so "none" then
+  costs about what "selective" does);
+* selective (attention's s²-sized softmax and dropout recomputed): ``s·b·h·(10 + 24/t)``;
+* full (each layer's input kept, the rest recomputed): ``2·s·b·h``.
+
+Data parallelism is DDP's (chapter 02) with ``gradient_as_bucket_view=True`` (the gradients are
+views into DDP's buckets; the default keeps a second fp32 copy, 4 more bytes per parameter): each
+of the dp replicas holds its parameters, gradients and optimizer state in full; with
+``fsdp=True`` FSDP2 (chapter 07b) shards all three over dp. A pipeline of pp stages under 1F1B
+(chapter 04b) holds L/pp layers per GPU, and its first stage keeps the activations of pp
+micro-batches in flight: L/pp · pp = L layers' worth, whatever pp.
+
+Left out: embeddings and logits, the bf16 working copies of the weights, the working set of a
+recomputed layer, temporary buffers, the allocator's fragmentation: an estimate needs a margin.
+
+Units: bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from mgtutorial.perf.costmodel import BF16_FP32_REDUCE, Dtypes
+from mgtutorial.perf.scaling import Transformer
+
+Recompute = Literal["none", "selective", "full"]
+"""How much of a layer's forward backward recomputes (chapter 07a, section 5)."""
+RECOMPUTE = get_args(Recompute)
+
+
+def activation_bytes(
+    model: Transformer, micro_batch: int, tp: int, recompute: Recompute, heads: int
+) -> float:
+    """Bytes of activations one layer keeps for backward (Korthikanti et al. 2022, §4)."""
+    s, b, h, t = model.seq, micro_batch, model.hidden, tp
+    per_token = {
+        "none": h * (10 + 24 / t + 5 * heads * s / (h * t)),
+        "selective": h * (10 + 24 / t),
+        "full": 2 * h,
+    }
+    if recompute not in per_token:
+        raise ValueError(f"recompute={recompute!r}: use one of {RECOMPUTE}.")
+    return s * b * per_token[recompute]
+
+
+def check_layout(model: Transformer, gpus: int, dp: int, tp: int, pp: int, heads: int) -> None:
+    """Raises ValueError for a layout that cannot run: dp·tp·pp ≠ gpus, tp not dividing the
+    heads, pp not dividing the layers."""
+    if dp * tp * pp != gpus or min(dp, tp, pp) < 1:
+        raise ValueError(f"dp·tp·pp = {dp}·{tp}·{pp} = {dp * tp * pp}: must equal {gpus} GPUs.")
+    if heads % tp:
+        raise ValueError(f"tp = {tp} does not divide the {heads} heads: pick a divisor.")
+    if model.layers % pp:
+        raise ValueError(f"pp = {pp} does not divide the {model.layers} layers: pick a divisor.")
+
+
+def memory_per_gpu(
+    model: Transformer,
+    dp: int,
+    tp: int,
+    pp: int,
+    recompute: Recompute = "none",
+    micro_batch: int = 1,
+    *,
+    heads: int,
+    dtypes: Dtypes = BF16_FP32_REDUCE,
+    fsdp: bool = False,
+) -> dict[str, float]:
+    """Bytes one GPU holds for a layout: ``{"params", "grads", "optimizer", "activations",
+    "total"}``. Parameters, gradients and Adam(W) state: Ψ/(tp·pp) per GPU (also ÷ dp with
+    ``fsdp``), at ``dtypes.per_param`` bytes each; activations: L layers' worth of
+    :func:`activation_bytes` (1F1B's first stage). Raises ValueError for an unknown recompute."""
+    shard = model.params / (tp * pp * (dp if fsdp else 1))
+    out = {k: shard * n for k, n in zip(("params", "grads", "optimizer"), dtypes.per_param)}
+    out["activations"] = model.layers * activation_bytes(model, micro_batch, tp, recompute, heads)
+    out["total"] = sum(out.values())
+    return out

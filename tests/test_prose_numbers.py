@@ -40,7 +40,7 @@ PENDING: dict[str, set[str]] = {
     "04a_pipeline_gpipe.ipynb": {"0.05", "1024", "256", "512"},
     "04b_pipeline_schedules.ipynb": {"0.05", "1024", "128", "25,700", "512", "656,128"},
     "04z_appendix_delays.ipynb": {"1024", "512"},
-    "06a_article_ddp.ipynb": {"1.1", "1.3", "1.4", "1.7"},
+    "06a_article_ddp.ipynb": {"1.1", "1.7"},
     "06b_article_model_parallel.ipynb": {"2.1", "2.2", "2048", "256"},
     "07a_zero_memory.ipynb": {"0.1", "104", "2022"},
     "07b_fsdp2.ipynb": {"132471", "2.10"},

@@ -1,7 +1,7 @@
 """Checkpoints: the unwrapped model, the optimizer and the progress, written atomically by rank 0.
 
 Taught in notebooks/02_ddp.ipynb (save on rank 0, barrier, load with ``map_location``) and
-notebooks/05b_elastic_and_hangs.ipynb (mid-epoch snapshots for elastic restarts). Follows
+notebooks/05b_elastic_restarts.ipynb (mid-epoch snapshots for elastic restarts). Follows
 https://pytorch.org/tutorials/intermediate/ddp_tutorial.html#save-and-load-checkpoints and
 https://pytorch.org/docs/stable/generated/torch.load.html (``weights_only``).
 """

@@ -182,7 +182,7 @@ MOVED = ["--checkpoint-every", "--fail-rank", "--fail-step", "--fail-how"]  # fr
 def test_base_trainer_takes_no_step_snapshots_and_injects_no_fault():
     base = {f.name for f in dataclasses.fields(ddp.DDPConfig)}
     fields = {f.name for f in dataclasses.fields(elastic.ElasticConfig)}
-    assert fields - base == {"checkpoint_every", "fail_rank", "fail_step", "fail_how"}
+    assert fields - base == {"checkpoint_every", "pause_s", "fail_rank", "fail_step", "fail_how"}
     overridden = [m for m in vars(elastic.ElasticTrainer) if callable(getattr(ddp.Trainer, m, 0))]
     assert overridden == ["_log_step"]  # one method of the loop
 

@@ -40,16 +40,24 @@ BATCHES = (1, 4, 36)
 
 
 def flatten_fix(path: str = "ex06a_net.py") -> None:
-    """06a.1: ``Net(in_channels)`` in the file ``path`` is the sample's CNN (a 5×5 convolution to 32
-    channels, ReLU, 2×2 max-pool, a hidden layer of 64, 10 outputs) with flaw 1.1 reviewed away:
-    for every image size of :data:`SIZES` and batch size of :data:`BATCHES` it maps B images to
+    """06a.1: ``Net(image_shape)`` in the file ``path`` is the sample's CNN (a 5×5 convolution to
+    32 channels, ReLU, 2×2 max-pool, a hidden layer of 64, 10 outputs) for images of
+    ``image_shape`` (C, H, W), with flaw 1.1 reviewed away: built, it has no uninitialized
+    parameter (DDP, the sample's next line, refuses those: ``nn.LazyLinear`` before a forward);
+    for every image shape of :data:`SIZES` and batch size of :data:`BATCHES` it maps B images to
     B × 10 logits, and each row depends on its own image only (changing image 0 changes row 0
-    only). The checker builds one ``Net`` per image size and runs it on random images."""
+    only). The checker builds one ``Net`` per image shape and runs it on random images."""
     ex = "06a.1 the flatten, reviewed"
     make = function_from(path, "Net", ex)
     for size in SIZES:
         torch.manual_seed(0)
-        net = attempt(ex, make, size[0])
+        net = attempt(ex, make, size)
+        require(
+            not any(torch.nn.parameter.is_lazy(q) for q in net.parameters()),
+            ex,
+            "Net has uninitialized parameters (nn.LazyLinear): DistributedDataParallel, the "
+            "sample's next line, refuses them; size the layer from image_shape instead",
+        )
         for b in BATCHES:
             x = torch.randn(b, *size)
             try:
@@ -60,7 +68,7 @@ def flatten_fix(path: str = "ex06a_net.py") -> None:
                     ex,
                     f"a batch of {b} image(s) of {size[1]}×{size[2]} fails: {err}. The features "
                     "per image depend on the image size: keep the batch dimension when you "
-                    "flatten, and let the first linear layer take whatever size arrives",
+                    "flatten, and size the first linear layer from image_shape",
                 ) from None
             require(
                 tuple(out.shape) == (b, 10),
@@ -82,8 +90,9 @@ def flatten_fix(path: str = "ex06a_net.py") -> None:
         )
     passed(
         ex,
-        f"Net gives one row of 10 logits per image for {len(SIZES)} image sizes and batches of "
-        f"{', '.join(map(str, BATCHES))}, each row from its own image",
+        f"Net gives one row of 10 logits per image for {len(SIZES)} image shapes and batches of "
+        f"{', '.join(map(str, BATCHES))}, each row from its own image, with no parameter DDP "
+        "would refuse",
     )
 
 

@@ -87,6 +87,9 @@ def test_a_second_node_joins_a_running_job_and_doubles_the_world_size(tmp_path, 
         for before in (True, False)
     ]
     assert worlds == [1, 2]
+    snapshot = [r for r in recs if r["kind"] == "checkpoint" and r["time"] < t_join][-1]
+    resumed = next(r for r in recs if r["kind"] == "resume")
+    assert resumed["batch"] == snapshot["batch"] // 2  # the position converted, in samples
     plans = [r["steps"] for r in recs if r["kind"] == "plan" and r["rank"] == 0]
     assert (plans[0], plans[-1]) == (2 * 45, 2 * 23)  # 1437 samples: 45, then 23 batches of 32
 

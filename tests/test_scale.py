@@ -426,7 +426,7 @@ def test_restarted_ranks_agree_on_the_round_when_restart_counts_differ(no_leftov
     and writes the first start's: a rank can read a dead rank's address); with a prefix per restart
     count the two ranks look for each other under different keys and never meet; with the agreed
     round they form the group, on keys of their own."""
-    out = restarts.simulate(["bare store", "restart count", "round"], counts=(0, 1), timeout_s=6)
+    out = restarts.simulate(["bare store", "restart count", "round"], counts=(0, 1), timeout_s=30)
     for how in out:
         assert out[how]["exit codes"][0] == [0, 0], (how, out[how])  # a first start works
     assert out["bare store"]["new keys"] == 0

@@ -8,7 +8,7 @@ The layout (README's "Layout" section has the whole tree):
   ``%load_ext mgtutorial``).
 - ``common/``: what every chapter shares: configuration checks, data, models, checkpoints,
   comparisons with a single-process reference.
-- one subpackage per strategy: ``ddp`` (chapters 01–03b), ``pipeline`` (04), ``scale`` (05a–05b),
+- one subpackage per strategy: ``ddp`` (chapters 01–03b), ``pipeline`` (04), ``scale`` (05a–05c),
   ``article`` (06a–06b), ``sharding`` (07), ``tensor_parallel`` (08), ``perf`` (09).
 - ``exercises/`` (the checkers, one module per notebook) and ``workshop/`` (laptop check, student
   edition).

@@ -56,7 +56,7 @@ def _config_parser(sub, name: str, cls, help: str, func) -> None:
 
 
 def _run_under_torchrun(args, worker, cfg, name: str):
-    from mgtutorial.runtime import env, live, runlog
+    from mgtutorial.runtime import env, live, runlog, torchelastic
 
     # Every rank must agree on the directory: derive it from what torchrun gives all of them.
     run_name = args.run_name or f"{name}-torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
@@ -64,12 +64,7 @@ def _run_under_torchrun(args, worker, cfg, name: str):
     run_dir = runlog.run_dir()
     if callable(getattr(cfg, "validate", None)):
         cfg.validate(env.world_size())  # before anything is written: a refused config leaves none
-    if env.rank() == 0 and env.restart_count() == 0 and (run_dir / "config.json").exists():
-        raise ValueError(
-            f"--run-name {run_dir.name}: {run_dir} already holds an earlier run, whose logs this "
-            "one would extend. Pass another --run-name, or delete that folder first."
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
+    torchelastic.claim_run_dir(run_dir, env.rank())  # a restart continues its own run only
     if env.rank() == 0:
         ref = f"{worker.__module__}:{worker.__qualname__}"
         runlog.write_config(run_dir, ref, env.world_size(), cfg.backend, cfg)
@@ -116,6 +111,10 @@ def _run(args, worker, cfg, name: str, report) -> int:
                 print(f"loss curve: {run_dir / 'loss.png'}")
     except (WorkerFailed, ValueError, TypeError, OSError, LossNotFinite) as exc:
         print(f"{rank}error: {exc}", file=sys.stderr)  # on a line of its own, after the bar
+        if torchrun:  # the agent's report shows it as this rank's error (as @record would)
+            from mgtutorial.runtime.torchelastic import record_failure
+
+            record_failure(exc)
         return 1
     except (KeyboardInterrupt, SignalException):
         if not torchrun:
@@ -244,6 +243,15 @@ def _add_commands(sub) -> None:
     p.set_defaults(func=_describe)
 
 
+def main_recorded() -> int:
+    """:func:`main`, under torchrun with ``@record``: the agent reports this rank's traceback."""
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+        return main()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(main)()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -277,7 +285,7 @@ def _describe(args) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    code = main_recorded()
     env = sys.modules.get("mgtutorial.runtime.env")  # not imported when torch is missing
     if env is not None and env.is_distributed_env():
         # one rank under torchrun: leave without C++ teardown, which can abort a finished rank

@@ -26,7 +26,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- exercises:begin -->", "<!-- exercises:end -->"
 THREE_HOUR = ("00", "01", "02", "03a", "06a")
-FULL_DAY = ("00", "01", "02", "03a", "03b", "03c", "04a", "04b", "05a", "05b", "06a", "07a")
+FULL_DAY = ("00", "01", "02", "03a", "03b", "03c", "04a", "04b", "05a", "05b", "05c", "06a", "07a")
 FULL_DAY_PER_CHAPTER = 2
 _HEADING = re.compile(r"^### Exercise (\d\d[a-c]?)\.(\d+) — (.+) \(≈ (\d+) min\)$")
 _NOTEBOOK = re.compile(r"^(\d\d[a-c]?)_\w+$")

@@ -124,7 +124,13 @@ def test_a_torchrun_run_name_that_holds_a_run_is_refused(monkeypatch, tmp_path, 
     argv = ["hello", "--runs-dir", str(tmp_path), "--run-name", "taken"]
     assert cli.main(argv) == 1
     assert "taken already holds an earlier run" in capsys.readouterr().err
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restart continues its own run
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restart of *another* job: refused
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")
+    assert cli.main(argv) == 1
+    assert "taken already holds an earlier run" in capsys.readouterr().err
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    (tmp_path / "taken" / "torchelastic_run_id").write_text("job-1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # this job's, whatever the count says
     monkeypatch.setattr(cli, "_run_under_torchrun", lambda *a: (tmp_path / "taken", {}))
     monkeypatch.setattr(cli, "_hello_report", lambda summary: "ok")
     assert cli.main(argv) == 0

@@ -182,7 +182,7 @@ MOVED = ["--checkpoint-every", "--fail-rank", "--fail-step", "--fail-how"]  # fr
 def test_base_trainer_takes_no_step_snapshots_and_injects_no_fault():
     base = {f.name for f in dataclasses.fields(ddp.DDPConfig)}
     fields = {f.name for f in dataclasses.fields(elastic.ElasticConfig)}
-    assert fields - base == {"checkpoint_every", "fail_rank", "fail_step", "fail_how"}
+    assert fields - base == {"checkpoint_every", "pause_s", "fail_rank", "fail_step", "fail_how"}
     overridden = [m for m in vars(elastic.ElasticTrainer) if callable(getattr(ddp.Trainer, m, 0))]
     assert overridden == ["_log_step"]  # one method of the loop
 
@@ -426,7 +426,7 @@ def test_restarted_ranks_agree_on_the_round_when_restart_counts_differ(no_leftov
     and writes the first start's: a rank can read a dead rank's address); with a prefix per restart
     count the two ranks look for each other under different keys and never meet; with the agreed
     round they form the group, on keys of their own."""
-    out = restarts.simulate(["bare store", "restart count", "round"], counts=(0, 1), timeout_s=6)
+    out = restarts.simulate(["bare store", "restart count", "round"], counts=(0, 1), timeout_s=30)
     for how in out:
         assert out[how]["exit codes"][0] == [0, 0], (how, out[how])  # a first start works
     assert out["bare store"]["new keys"] == 0

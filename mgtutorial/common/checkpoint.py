@@ -1,7 +1,7 @@
 """Checkpoints: the unwrapped model, the optimizer and the progress, written atomically by rank 0.
 
 Taught in notebooks/02_ddp.ipynb (save on rank 0, barrier, load with ``map_location``) and
-notebooks/05b_elastic_and_hangs.ipynb (mid-epoch snapshots for elastic restarts). Follows
+notebooks/05b_elastic_restarts.ipynb (mid-epoch snapshots for elastic restarts). Follows
 https://pytorch.org/tutorials/intermediate/ddp_tutorial.html#save-and-load-checkpoints and
 https://pytorch.org/docs/stable/generated/torch.load.html (``weights_only``).
 """
@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mgtutorial.common import models
@@ -33,8 +34,9 @@ def save_checkpoint(
     """Write the *unwrapped* model's state_dict, the optimizer's, and progress, atomically.
 
     ``epoch`` is the number of completed epochs, ``step`` the global step, ``batch`` the batches
-    already done in epoch ``epoch`` (a mid-epoch snapshot; 0 at an epoch end), ``samples`` the
-    samples rank 0 has trained on so far. Saved to
+    per rank already done in epoch ``epoch`` (a mid-epoch snapshot; 0 at an epoch end), ``samples``
+    the samples rank 0 has trained on so far; the world size they were counted at is saved too
+    (``world_size``: a job resumed at another world size converts ``batch``, chapter 05b). Saved to
     ``path.tmp`` then renamed, so a crash never leaves half a file. Call on rank 0 only, then
     ``barrier`` on every rank.
     """
@@ -47,6 +49,7 @@ def save_checkpoint(
         "step": step,
         "batch": batch,
         "samples": samples,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
     }
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)

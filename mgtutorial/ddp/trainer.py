@@ -132,7 +132,11 @@ class Trainer:
             state = load_checkpoint(cfg.checkpoint, model, optimizer, ctx.device)
             self.first_epoch = state["epoch"]
             self.step = state["step"]
-            self.skip = state.get("batch", 0)
+            # batches per rank at the snapshot's world size; the sampler deals the epoch's order
+            # to the ranks in turn, so at another world size the same samples are fewer or more
+            # batches (rounded down: a few samples trained twice, none lost; chapter 05b)
+            self.skip = state.get("batch", 0) * state.get("world_size", ctx.world_size)
+            self.skip //= ctx.world_size
             self.samples = state.get("samples", 0)
             self.log.resume(
                 step=self.step, epoch=self.first_epoch, batch=self.skip, attempt=self.attempt

@@ -29,6 +29,7 @@ CHAPTERS = (
     "ch04",
     "ch05a",
     "ch05b",
+    "ch05c",
     "ch06a",
     "ch06b",
     "ch07",

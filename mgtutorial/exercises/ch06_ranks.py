@@ -2,8 +2,8 @@
 notebooks/06b_article_model_parallel.ipynb): each worker is one of the article's samples, as
 :mod:`mgtutorial.article` re-creates it, with the learner's function where the flaw was.
 
-:mod:`mgtutorial.exercises.ch06a` and :mod:`mgtutorial.exercises.ch06b` launch them (06a.3,
-06a.4, 06b.1, 06b.3) and read what they logged (``runlog``) or returned. Each loads the learner's
+:mod:`mgtutorial.exercises.ch06a` and :mod:`mgtutorial.exercises.ch06b` launch them (06a.2,
+06b.1, 06b.3) and read what they logged (``runlog``) or returned. Each loads the learner's
 file in the rank with :func:`~mgtutorial.exercises._common.function_from`.
 """
 
@@ -30,36 +30,7 @@ def logged(runs_dir: str | Path, name: str, kind: str) -> list[dict]:
     return [r for d in runs for r in runlog.of_kind(runlog.read_run(d), kind)]
 
 
-# --- 06a.3: the global rank on two nodes --------------------------------------------------------
-
-
-@dataclass(kw_only=True)
-class RankExerciseConfig(Config):
-    """Configuration of :func:`rank_worker`."""
-
-    path: str
-    """The learner's file, defining ``global_rank(node_rank, local_rank, gpus_per_node) -> int``."""
-    gpus_per_node: int = 2
-    """GPUs per simulated node: rank r plays local rank r % gpus_per_node of node
-    r // gpus_per_node."""
-    timeout_s: float = 3.0
-    """How long the process group waits for ranks that never join."""
-
-
-def rank_worker(cfg: RankExerciseConfig) -> dict:
-    """Join the process group with the rank the learner's ``global_rank`` computes on a simulated
-    node (:func:`~mgtutorial.article.ddp_flaws.join_claimed`).
-
-    Logs ``kind="rank_claim"`` (claimed_rank, node, local_rank) before joining; returns
-    {"claimed_rank", "rank", "world_size"} once a barrier has passed.
-    """
-    node, local = divmod(env.rank(), cfg.gpus_per_node)
-    rank = int(function_from(cfg.path, "global_rank")(node, local, cfg.gpus_per_node))
-    runlog.RunLog().write(kind="rank_claim", claimed_rank=rank, node=node, local_rank=local)
-    return {"claimed_rank": rank, **ddp_flaws.join_claimed(rank, env.world_size(), cfg.timeout_s)}
-
-
-# --- 06a.4: the epoch loss, over all ranks -------------------------------------------------------
+# --- 06a.2: the epoch loss, over all ranks -------------------------------------------------------
 
 
 @dataclass(kw_only=True)

@@ -1,6 +1,6 @@
 """A key prefix that every rank of one start of a job agrees on, on a store that outlives starts.
 
-Taught in notebooks/05b_elastic_and_hangs.ipynb (section 1, the restart across nodes) and used by
+Taught in notebooks/05b_elastic_restarts.ipynb (section 1, the restart across nodes) and used by
 :func:`mgtutorial.runtime.env.distributed`. Follows
 https://pytorch.org/docs/stable/elastic/agent.html and pytorch/pytorch#135712.
 

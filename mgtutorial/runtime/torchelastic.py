@@ -2,7 +2,9 @@
 (``torch.distributed.elastic.multiprocessing``,
 https://pytorch.org/docs/stable/elastic/multiprocessing.html): where each rank's output goes
 (:class:`RankFiles`), and TorchElastic's loggers silenced for the life of a run
-(:func:`silence_loggers`).
+(:func:`silence_loggers`). Under ``torchrun`` itself: a run folder that a restart continues
+(:func:`claim_run_dir`) and a handled error written to the rank's error file
+(:func:`record_failure`, https://pytorch.org/docs/stable/elastic/errors.html; notebooks/05b, 05c).
 
 Taught in notebooks/00_setup.ipynb (a run's files). TorchElastic reports every failure with a
 traceback of its own, and a :class:`~mgtutorial.runtime.run.Run` names the root cause instead; the
@@ -90,3 +92,34 @@ def silence_loggers() -> Callable[[], None]:
                     logging.getLogger(name).setLevel(level)
 
     return release
+
+
+def claim_run_dir(run_dir: Path, rank: int) -> None:
+    """Create ``run_dir`` for this torchrun job, which a restart of the same job continues.
+
+    The job is told by ``TORCHELASTIC_RUN_ID`` (the same on every node and every restart), not by
+    ``TORCHELASTIC_RESTART_COUNT``, which each node's agent counts for itself (05b).
+
+    Raises:
+        ValueError: on rank 0, ``run_dir`` holds another job's run.
+    """
+    job, id_file = os.environ.get("TORCHELASTIC_RUN_ID", ""), run_dir / "torchelastic_run_id"
+    ours = job and id_file.exists() and id_file.read_text() == job
+    if rank == 0 and (run_dir / "config.json").exists() and not ours:
+        raise ValueError(
+            f"--run-name {run_dir.name}: {run_dir} already holds an earlier run, whose logs this "
+            "one would extend. Pass another --run-name, or delete that folder first."
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        id_file.write_text(job)
+
+
+def record_failure(exc: BaseException) -> None:
+    """Write ``exc`` to this rank's ``TORCHELASTIC_ERROR_FILE``, as ``@record`` does for an
+    exception that leaves the entry point, so that the agent's failure report shows it; nothing
+    outside torchrun."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)

@@ -1,7 +1,7 @@
 """A job that survives a lost rank: chapter 02's Trainer plus snapshots every k steps, and a fault
 to inject (a rank that raises or SIGKILLs itself) so that a torchrun restart can be watched.
 
-Taught in notebooks/05b_elastic_and_hangs.ipynb, section 1 (a rank killed mid-run, the restart
+Taught in notebooks/05b_elastic_restarts.ipynb, section 1 (a rank killed mid-run, the restart
 from the last snapshot). Resuming is chapter 02's (``DDPConfig.resume``, notebooks/02_ddp.ipynb):
 the snapshot holds the progress, so a restarted rank continues mid-epoch where it was taken.
 Follows https://pytorch.org/docs/stable/elastic/run.html (``--max-restarts``) and
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +36,9 @@ class ElasticConfig(DDPConfig):
     checkpoint_every: int = 0
     """Also save a snapshot to ``checkpoint`` every this many steps, mid-epoch (0: only at epoch
     ends, as chapter 02 does)."""
+    pause_s: float = 0.0
+    """Sleep this long after each step: a slow job, so that a node started later finds it still
+    running (the membership change of notebooks/05b)."""
     fail_rank: int = -1
     """Fault injection for the lessons and tests: this rank fails …"""
     fail_step: int = -1
@@ -53,7 +57,7 @@ class ElasticConfig(DDPConfig):
         """
         super().validate(nprocs)
         check_choices(self)  # fail_how is one of its Literal's values
-        at_least(self, 0, "checkpoint_every")
+        at_least(self, 0, "checkpoint_every", "pause_s")
         if self.checkpoint_every and not self.checkpoint:
             raise ValueError(
                 f"checkpoint_every={self.checkpoint_every} needs a file to write the snapshots "
@@ -83,6 +87,7 @@ class ElasticTrainer(Trainer):
         if cfg.checkpoint and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
             if done < len(self.loader):  # the epoch's end has its own checkpoint
                 self._save(epoch, done)
+        time.sleep(cfg.pause_s)
         fresh = self.first_samples == 0  # this run did not resume from a snapshot
         if (self.ctx.rank, self.step) == (cfg.fail_rank, cfg.fail_step) and fresh:
             if cfg.fail_how == "sigkill":  # no exception, no clean-up: as the OOM killer does it

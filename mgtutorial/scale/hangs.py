@@ -1,7 +1,7 @@
 """A hung job: a rank that skips a collective, where each rank waits, and py-spy to see it.
 
-Taught in notebooks/05b_elastic_and_hangs.ipynb, section 2 (collective timeouts, mismatched
-collectives, ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, py-spy). Follows
+Taught in notebooks/05c_hangs_and_debugging.ipynb (collective timeouts, mismatched collectives,
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``, faulthandler, C++ stacks, py-spy). Follows
 https://pytorch.org/docs/stable/distributed.html#debugging-torch-distributed-applications and
 py-spy (https://github.com/benfred/py-spy).
 
@@ -12,6 +12,7 @@ From a cell, 2 ranks, rank 1 skipping the all-reduce of step 1 (the job fails af
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import re
 import subprocess
@@ -45,6 +46,9 @@ class HangConfig(Config):
     """After its loop, ``skip_rank`` does rank-only work (sleeps) this long before leaving."""
     backend: env.BackendChoice = "auto"
     """The process group's backend ("auto": NCCL with a GPU per rank, else gloo)."""
+    dump_after_s: float = 0.0
+    """If > 0, a rank still inside an all-reduce after this many seconds writes every thread's
+    Python stack to its stderr (``faulthandler.dump_traceback_later``; 0: never)."""
 
     def validate(self, nprocs: int) -> None:
         """Called by :func:`mgtutorial.launch` before any process starts.
@@ -54,7 +58,7 @@ class HangConfig(Config):
         """
         super().validate(nprocs)
         at_least(self, 1, "steps")
-        at_least(self, 0, "skip_step", "rank_work_s")
+        at_least(self, 0, "skip_step", "rank_work_s", "dump_after_s")
         positive(self, "timeout_s")
         rank_or_none(self, "skip_rank", nprocs)
 
@@ -88,8 +92,11 @@ def hang_worker(cfg: HangConfig) -> dict:
                 continue  # the bug: this rank never joins this collective...
             log.write(kind="collective_start", op="all_reduce", step=step, pid=os.getpid())
             t0 = time.time()
+            if cfg.dump_after_s:  # still here after dump_after_s: every thread's stack to stderr
+                faulthandler.dump_traceback_later(cfg.dump_after_s, exit=False)
             try:
                 dist.all_reduce(torch.ones(step + 1, device=ctx.device))  # step s: s + 1 elements
+                faulthandler.cancel_dump_traceback_later()
             except Exception as exc:  # a timeout, a peer gone, or (DETAIL) a mismatch: say which
                 timed_out = _timed_out(exc)
                 raise (TimeoutError if timed_out else RuntimeError)(
@@ -144,3 +151,23 @@ def main_thread_frames(dump: str) -> list[str]:
     dump = re.sub(r"\x1b\[[0-9;]*m", "", dump)
     thread = dump.split('"MainThread"')[1].split("\nThread ")[0]
     return [frame.strip() for frame in thread.strip().splitlines()]
+
+
+MISMATCHED_GATHER = """\
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+dist.all_gather([torch.ones(1)], torch.ones(2))  # room for 1 element, 2 sent: c10d refuses it
+"""
+"""A one-rank script whose collective fails in PyTorch's C++ (a ``TORCH_CHECK`` in
+``ProcessGroupGloo``): what ``TORCH_SHOW_CPP_STACKTRACES=1`` adds to an error (05c)."""
+
+
+def run_python(code: str, extra_env: dict | None = None, timeout: float = 60) -> str:
+    """Run ``code`` in a fresh Python with this environment plus ``extra_env``; returns what it
+    wrote to stderr (its traceback, if it failed), within ``timeout`` seconds (else
+    ``subprocess.TimeoutExpired``)."""
+    env = {**os.environ, **(extra_env or {})}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    return out.stderr

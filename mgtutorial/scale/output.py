@@ -1,9 +1,9 @@
 """torchrun's output made readable: no paths, process ids or C++ stacks of this machine.
 
-Used by notebooks/05a_torchrun_multinode.ipynb and notebooks/05b_elastic_and_hangs.ipynb, whose
-cells show what the ranks and the agents of a ``torchrun`` job said (:func:`digest`) and the
-commands as one would type them (:func:`shell`). The agents' log format is TorchElastic's
-(https://pytorch.org/docs/stable/elastic/run.html).
+Used by notebooks/05a_torchrun_multinode.ipynb, 05b_elastic_restarts.ipynb and
+05c_hangs_and_debugging.ipynb, whose cells show what the ranks and the agents of a ``torchrun``
+job said (:func:`digest`) and the commands as one would type them (:func:`shell`). The agents' log
+format is TorchElastic's (https://pytorch.org/docs/stable/elastic/run.html).
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from pathlib import Path
 
 
 def clean(text: str) -> str:
-    """``text`` without this machine's specifics: the repository's and the home folder's paths,
-    process ids (``pid 123``, ``pid: 123``, ``process 123``) and torchrun's
-    ``of binary: /…/python``."""
+    """``text`` without this machine's specifics: the repository's, the home folder's, the Python
+    packages' and torchrun's temporary log folder's paths, process ids (``pid 123``,
+    ``pid: 123``, ``process 123``) and torchrun's ``of binary: /…/python``."""
     root = Path(__file__).resolve().parents[2]
-    for path, short_ in ((Path.cwd(), ""), (root, ""), (Path.home(), "~")):
+    for path, short_ in ((Path.cwd(), ""), (root, ""), (Path.home(), "~" + os.sep)):
         text = text.replace(str(path) + os.sep, short_)
     text = re.sub(r" of binary: \S+", "", text)
+    text = re.sub(r"[^\s\"']*/site-packages/", "", text)  # torch/… as imported
+    text = re.sub(r"/\S*/torchelastic_[^/\s]+/[^/\s]+/", "<agent's log dir>/", text)
     return re.sub(r"\b(pid:? |process )\d+", r"\1…", text)
 
 

@@ -1,6 +1,7 @@
 """A restart across two nodes whose agents count restarts differently, simulated on this machine.
 
-Taught in notebooks/05b_elastic_and_hangs.ipynb (section 1) and tested in tests/test_scale.py.
+Run by tests/test_scale.py and cited in notebooks/05b_elastic_restarts.ipynb (section 1), which
+shows the counts differing with two real torchrun agents.
 Follows pytorch/pytorch#135712 and #108158: ``TORCHELASTIC_RESTART_COUNT`` is each agent's own
 count. When node B's rank fails, B's agent restarts its ranks with count 1; node A's agent sees B
 waiting at the rendezvous, restarts its healthy ranks for that membership change, and does not

@@ -1,7 +1,8 @@
 """torchrun from a cell: its command lines, the agents it starts, nodes simulated on one machine.
 
 Taught in notebooks/05a_torchrun_multinode.ipynb (one node, two simulated nodes, SLURM) and used by
-notebooks/05b_elastic_and_hangs.ipynb (a restart under ``--max-restarts``). Follows
+notebooks/05b_elastic_restarts.ipynb (a restart under ``--max-restarts`` on two simulated nodes, a
+node joining a ``--nnodes 1:2`` job) and notebooks/05c_hangs_and_debugging.ipynb. Follows
 https://pytorch.org/docs/stable/elastic/run.html (torchrun, its agent, the c10d rendezvous).
 
 Two nodes on a cluster, the same worker as chapter 02 (run on each node; SLURM's script in
@@ -40,11 +41,12 @@ def torchrun_command(
     module_args: list[str],
     *,
     nproc_per_node: int = 2,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
     run_id: str | None = None,
     max_restarts: int = 0,
+    rdzv_conf: str | None = None,
 ) -> list[str]:
     """The torchrun command line that runs ``python -m mgtutorial <module_args>`` on one node.
 
@@ -52,7 +54,9 @@ def torchrun_command(
     * Several nodes, dynamic (the default): a c10d rendezvous at ``rdzv_endpoint`` (``host:port``
       of one node, reachable from all), the same ``run_id`` everywhere. The rendezvous hands out
       node ranks (GROUP_RANK) itself (torch 2.14 sorts the nodes by host name, then process id);
-      no ``--node-rank``.
+      no ``--node-rank``. An elastic job gives ``nnodes`` as ``"MIN:MAX"`` (e.g. ``"1:2"``): it
+      starts with MIN nodes and restarts its ranks when another node joins, up to MAX;
+      ``rdzv_conf`` (e.g. ``"last_call_timeout=1"``) tunes the rendezvous.
     * Several nodes, static: give ``node_rank`` too; each node then passes ``--node-rank`` and the
       endpoint as ``--master-addr/--master-port`` (node 0 hosts it).
 
@@ -67,6 +71,7 @@ def torchrun_command(
     elif node_rank is None:
         cmd += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d"]
         cmd += ["--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", run_id or "mgtutorial"]
+        cmd += ["--rdzv-conf", rdzv_conf] if rdzv_conf else []
     elif not 0 <= node_rank < nnodes:
         raise ValueError(f"node_rank={node_rank} must be in 0 … {nnodes - 1}.")
     else:
@@ -102,15 +107,25 @@ class Agents:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
-        env = {**agent_env(), **(extra_env or {})}
-        for i, cmd in enumerate(commands):
-            with open(self.log_dir / f"node{i}.log", "w") as out:
-                self.procs.append(
-                    subprocess.Popen(
-                        cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                    )
-                )
+        self.commands: list[list[str]] = []
+        self.env = {**agent_env(), **(extra_env or {})}
+        for cmd in commands:
+            self.join(cmd)
         self.started = time.time()
+
+    def join(self, command: list[str]) -> None:
+        """Start one more agent (node ``len(self.procs)``): a node joining the job later."""
+        self.commands.append(command)
+        with open(self.log_dir / f"node{len(self.procs)}.log", "w") as out:
+            self.procs.append(
+                subprocess.Popen(
+                    command,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    start_new_session=True,
+                )
+            )
 
     def wait(self, timeout: float) -> list[int]:
         """Exit codes of all agents; raises TimeoutError (after ending them) if one runs longer
@@ -159,10 +174,12 @@ def simulated_nodes(
     log_dir: str | os.PathLike = "runs/nodes",
     extra_env: dict | None = None,
     run_id: str | None = None,
+    **kwargs,
 ) -> Agents:
     """Start ``nnodes`` torchrun agents on this machine as if each were a node: node ranks
     0 … nnodes − 1, one c10d rendezvous (``--rdzv-id run_id``, default a fresh one) on 127.0.0.1 at
-    a free port. Returns the running :class:`Agents`.
+    a free port; ``kwargs`` as :func:`torchrun_command`'s (``max_restarts``). Returns the running
+    :class:`Agents`.
 
     Every simulated node's ranks have local ranks 0, 1, …, so on a GPU machine they would all pick
     ``cuda:0``, which NCCL refuses: pass ``--backend gloo`` in ``module_args`` there."""
@@ -174,6 +191,7 @@ def simulated_nodes(
         nnodes=nnodes,
         rdzv_endpoint=endpoint,
         run_id=run_id,
+        **kwargs,
     )
     return Agents([command] * nnodes, log_dir, extra_env)
 
@@ -191,6 +209,19 @@ def run_torchrun(
     with Agents([torchrun_command(module_args, **kwargs)], log_dir, extra_env) as agents:
         code = agents.wait(timeout)[0]
         return code, agents.output(0)
+
+
+def wait_for_step(run_dir: str | os.PathLike, step: int, timeout: float = 120) -> float:
+    """Poll the run's ``kind="train"`` records until one has ``step``; returns its time. Raises
+    TimeoutError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if Path(run_dir).exists():
+            for rec in runlog.read_run(run_dir):
+                if rec.get("kind") == "train" and rec["step"] >= step:
+                    return rec["time"]
+        time.sleep(0.2)
+    raise TimeoutError(f"no rank of {run_dir} logged step {step} within {timeout} s")
 
 
 def rank_table(records: list[dict]) -> list[dict]:

@@ -1,7 +1,8 @@
-"""Checkers of chapter 07's exercises (notebooks/07a_zero_memory.ipynb): how many ranks bring a 13 B
-model under 80 GB (07a.1), per-rank bytes with padding (07a.2), ZeRO-1's step with clipping by the
-global gradient norm (07a.3, in :mod:`mgtutorial.exercises.ch07_zero`) and a per-block
-``reshard_after_forward`` policy (07b.1, in :mod:`mgtutorial.exercises.ch07_fsdp`); all four are
+"""Checkers of chapter 07's exercises (notebooks/07a_zero_memory.ipynb, 07b_fsdp2.ipynb): how many
+ranks bring a 13 B model under 80 GB (07a.1), per-rank bytes with padding (07a.2), ZeRO-1's step
+with clipping by the global gradient norm (07a.3, in :mod:`mgtutorial.exercises.ch07_zero`), a
+per-block ``reshard_after_forward`` policy (07b.1, in :mod:`mgtutorial.exercises.ch07_fsdp`) and
+ZeRO-3 by hand for one layer (07b.2, in :mod:`mgtutorial.exercises.ch07_zero3`); all five are
 reached as ``ex.ch07.<checker>``.
 """
 
@@ -16,6 +17,7 @@ from mgtutorial.exercises.ch07_zero import (
     clipped_reference,
     zero1_clipped,
 )
+from mgtutorial.exercises.ch07_zero3 import zero3_layer, zero3_worker
 from mgtutorial.sharding import memory, worker
 
 __all__ = [
@@ -33,6 +35,8 @@ __all__ = [
     "reshard_policy",
     "smallest_ranks",
     "zero1_clipped",
+    "zero3_layer",
+    "zero3_worker",
 ]
 
 LIMIT = 8e10  # 80 GB (10⁹ bytes), model states only

@@ -275,12 +275,18 @@ def test_accumulation_and_hsdp_count_their_collectives_and_equal_one_process(fou
             assert p[name]["max_diff"] < 1e-5, name
         # without explicit prefetch a block's forward starts before the next block's all-gather;
         # with it, the next all-gather is issued first (inside the previous block's pre-forward)
-        implicit, prefetch = p["timeline"]["implicit"], p["timeline"]["prefetch"]
+        implicit, prefetch = (p["timeline"][k]["order"] for k in ("implicit", "prefetch"))
+        assert implicit[:3] == ["fwd root", "AG root", "fwd 0"]
         assert implicit.index("fwd 1") < implicit.index("AG 1")
         assert prefetch.index("fwd 0") < prefetch.index("AG 1") < prefetch.index("fwd 1")
         # backward prefetches by default: block 1 is gathered before block 2's gradients reduce
         again = prefetch.index("AG 1", prefetch.index("bwd 2"))  # block 1's backward all-gather
         assert again < prefetch.index("RS 2")
+        # on gloo every collective is waited for where it is issued: no compute while one runs
+        for kind in ("implicit", "prefetch"):
+            t = p["timeline"][kind]
+            assert t["overlapped"] == 0, kind
+            assert {row for row, *_ in t["spans"]} == {"compute", "FSDP call", "collective"}
 
 
 def test_practice_needs_four_ranks(runs, no_leftovers):

@@ -1,0 +1,124 @@
+"""FSDP2's prefetching, read from a real step's profiler events: when each unit's all-gather and
+reduce-scatter is issued, how long the training thread spends in it, when the collective itself
+runs (on the backend's own thread), and whether any compute runs while a collective is in flight.
+
+FSDP2 (torch 2.14.1, ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``) gathers a unit
+in its ``pre_forward`` unless an earlier unit named it in ``set_modules_to_forward_prefetch``;
+in backward each unit's ``pre_backward`` prefetches the unit before it by default
+(``_backward_prefetch``). It issues the all-gather on a separate stream
+(``FSDPCommContext.get_all_gather_streams``) and waits on an event only when the unit needs the
+result. On CPU those streams and events are no-ops
+(``torch.cpu.Stream``), and a gloo collective called with ``async_op=False`` returns only when it
+has finished: the order changes, the training thread still waits. On CUDA with NCCL the call
+returns once the collective is queued on the all-gather stream, so the CPU runs ahead and the GPU
+runs a unit's all-gather beside the kernels of the unit before, with or without explicit
+prefetching; explicit prefetching issues it earlier, which matters when the CPU cannot run ahead.
+
+Taught in notebooks/07b_fsdp2.ipynb, section 7. :func:`step_timeline` runs inside
+:func:`mgtutorial.sharding.practice.part_practice`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mgtutorial.sharding.fsdp import apply_fsdp, mesh_for
+from mgtutorial.sharding.model import batch, make_model
+
+LABELS = {
+    "FSDP::all_gather": "AG",
+    "FSDP::pre_forward": "fwd",
+    "FSDP::pre_backward": "bwd",
+    "FSDP::post_backward_reduce": "RS",
+}
+"""FSDP2's own profiler labels (``record_function`` in ``_fsdp_param_group.py``, followed by
+`` (<module>)``; the root's has no module) → short names."""
+
+COMPUTE = ("aten::addmm", "aten::mm", "aten::tanh", "aten::tanh_backward")
+"""The model's compute ops, forward and backward (the blocks are ``tanh(Linear(x))``)."""
+
+BACKEND_PREFIXES = ("gloo:", "nccl:")
+"""Profiler events of the collectives themselves, recorded by the process group's own thread."""
+
+
+def short_name(name: str) -> str | None:
+    """``"FSDP::all_gather (blocks.1)"`` → ``"AG 1"``, ``"FSDP::all_gather"`` → ``"AG root"``;
+    None for any other event."""
+    for label, short in LABELS.items():
+        rest = name[len(label) :]
+        if name.startswith(label) and (rest == "" or rest.startswith(" (")):
+            unit = rest[2:-1].split(".")[-1] if rest else ""
+            return f"{short} {unit or 'root'}"
+    return None
+
+
+def read_spans(events) -> dict:
+    """From a finished profile's ``events()``: ``order`` (the FSDP labels by start time),
+    ``spans`` [[row, label, start ms, end ms], …] with rows "compute" and "FSDP call" (the
+    training thread) and "collective" (the backend's thread), times from the step's first event,
+    and ``overlapped``: how many compute ops ran while a collective was in flight."""
+    events = sorted(events, key=lambda e: e.time_range.start)
+    t0 = events[0].time_range.start
+    main = next(e.thread for e in events if short_name(e.name))
+
+    def ms(e):
+        return [(e.time_range.start - t0) / 1e3, (e.time_range.end - t0) / 1e3]
+
+    order, spans = [], []
+    for e in events:
+        label = short_name(e.name)
+        if label:
+            order.append(label)
+            if label.startswith(("AG", "RS")):
+                spans.append(["FSDP call", label, *ms(e)])
+        elif e.thread == main and e.name in COMPUTE:
+            spans.append(["compute", e.name.split("::")[1], *ms(e)])
+        elif e.thread != main and e.name.startswith(BACKEND_PREFIXES):
+            spans.append(["collective", e.name, *ms(e)])
+    flying = [(a, b) for row, _, a, b in spans if row == "collective"]
+    overlapped = sum(
+        any(a < end and start < b for a, b in flying)
+        for row, _, start, end in spans
+        if row == "compute"
+    )
+    return {"order": order, "spans": spans, "overlapped": overlapped}
+
+
+def step_timeline(cfg, ctx, prefetch: bool) -> dict:
+    """One warm training step of 3 blocks under ``torch.profiler`` (after one unprofiled step),
+    read with :func:`read_spans`. With ``prefetch``, each block names the next one in
+    ``set_modules_to_forward_prefetch``; backward prefetches implicitly (FSDP2's default)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = apply_fsdp(make_model(cfg, 3).to(ctx.device), mesh_for(cfg, ctx))
+    if prefetch:
+        for block, following in zip(model.blocks, model.blocks[1:]):
+            block.set_modules_to_forward_prefetch([following])
+    x, y = (t.to(ctx.device) for t in batch(cfg, 0, ctx.rank, ctx.world_size))
+    nn.functional.mse_loss(model(x), y).backward()  # the first step also initialises FSDP2
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        nn.functional.mse_loss(model(x), y).backward()
+    return read_spans(prof.events())
+
+
+def timeline_figure(timelines: dict[str, dict]):
+    """One panel per ``{title: step_timeline(...)}``: rows compute, FSDP call, collective, in ms
+    from the step's start; all-gathers blue, reduce-scatters orange, compute green. Returns a
+    matplotlib ``Figure``."""
+    from matplotlib.figure import Figure
+
+    rows = ("compute", "FSDP call", "collective")
+    fig = Figure(figsize=(9, 1.3 + 1.2 * len(timelines)), layout="constrained")
+    for ax, (title, t) in zip(
+        fig.subplots(len(timelines), 1, squeeze=False)[:, 0], timelines.items()
+    ):
+        for row, label, start, end in t["spans"]:
+            gathered = "all_gather" in label or label.startswith("AG")
+            color = "tab:green" if row == "compute" else "tab:blue" if gathered else "tab:orange"
+            ax.barh(rows.index(row), end - start, left=start, color=color, height=0.6)
+            if row == "FSDP call":
+                ax.text(start, 1.35, label.split()[1][0], fontsize=6)
+        ax.set_yticks(range(3), rows, fontsize=8)
+        ax.set_title(f"{title}: compute ops during a collective: {t['overlapped']}", fontsize=9)
+    ax.set_xlabel("ms from the step's start (rank 0; blue all-gather, orange reduce-scatter)")
+    return fig

@@ -311,3 +311,31 @@ def test_same_checks_on_two_gpus_with_nccl(tmp_path, no_leftovers):
     assert values[0]["mixed"]["inside_forward"]["weight"] == "torch.bfloat16"
     for r, v in values.items():  # bf16 compute, yet at rest the fp32 row, as on CPU
         assert v["mixed"]["memory"] == memory.memory_per_rank(shapes(), 2, "zero3", "fp32", rank=r)
+
+
+def test_prefetch_reads_fsdp_labels_and_counts_compute_during_a_collective():
+    from types import SimpleNamespace as NS
+
+    from mgtutorial.sharding import prefetch
+
+    assert prefetch.short_name("FSDP::all_gather (blocks.1)") == "AG 1"
+    assert prefetch.short_name("FSDP::all_gather") == "AG root"
+    assert prefetch.short_name("FSDP::all_gather_copy_out (blocks.1)") is None
+    assert prefetch.short_name("FSDP::post_backward_reduce (blocks.0)") == "RS 0"
+
+    def ev(name, thread, start, end):  # profiler times in µs
+        return NS(name=name, thread=thread, time_range=NS(start=start, end=end))
+
+    events = [
+        ev("FSDP::pre_forward (blocks.0)", 1, 0, 100),
+        ev("FSDP::all_gather (blocks.0)", 1, 10, 90),
+        ev("gloo:all_gather", 2, 20, 80),
+        ev("aten::addmm", 1, 50, 60),  # during the collective: counted
+        ev("aten::tanh", 1, 120, 130),  # after it: not counted
+    ]
+    t = prefetch.read_spans(events)
+    assert t["order"] == ["fwd 0", "AG 0"]
+    assert t["overlapped"] == 1
+    assert t["spans"][0] == ["FSDP call", "AG 0", 0.01, 0.09]
+    fig = prefetch.timeline_figure({"made up": t})
+    assert "compute ops during a collective: 1" in fig.axes[0].get_title()

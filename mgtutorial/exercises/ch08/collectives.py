@@ -21,7 +21,7 @@ def counts(predicted: dict) -> None:
         k: answered(predicted.get(k), ex, f'predicted["{k}"]')
         for k in ("forward", "backward", "all_reduce_bytes", "all_gather_bytes")
     }
-    cfg = config.TPConfig(h=32, n_heads=8, batch=3, seq=4)
+    cfg = config.TPConfig(h=32, n_heads=8, batch=3, seq=4, extras=False)
     v = run_ranks(ex, worker.worker, cfg, 2, name="tp").values[0]
     block, dt, sp = (v[k]["counts"] for k in ("hand_block", "dtensor", "sequence_parallel"))
     for phase in ("forward", "backward"):

@@ -103,8 +103,8 @@ def step_timeline(cfg, ctx, prefetch: bool) -> dict:
 
 def timeline_figure(timelines: dict[str, dict]):
     """One panel per ``{title: step_timeline(...)}``: rows compute, FSDP call, collective, in ms
-    from the step's start; all-gathers blue, reduce-scatters orange, compute green. Returns a
-    matplotlib ``Figure``."""
+    from the step's start; all-gathers blue, reduce-scatters orange, each compute op a green
+    tick. Returns a matplotlib ``Figure``."""
     from matplotlib.figure import Figure
 
     rows = ("compute", "FSDP call", "collective")
@@ -113,12 +113,17 @@ def timeline_figure(timelines: dict[str, dict]):
         fig.subplots(len(timelines), 1, squeeze=False)[:, 0], timelines.items()
     ):
         for row, label, start, end in t["spans"]:
+            if row == "compute":  # µs-long ops: a tick each, or they vanish beside the collectives
+                ax.vlines(start, -0.3, 0.3, color="tab:green", linewidth=1)
+                continue
             gathered = "all_gather" in label or label.startswith("AG")
-            color = "tab:green" if row == "compute" else "tab:blue" if gathered else "tab:orange"
+            color = "tab:blue" if gathered else "tab:orange"
             ax.barh(rows.index(row), end - start, left=start, color=color, height=0.6)
             if row == "FSDP call":
                 ax.text(start, 1.35, label.split()[1][0], fontsize=6)
         ax.set_yticks(range(3), rows, fontsize=8)
         ax.set_title(f"{title}: compute ops during a collective: {t['overlapped']}", fontsize=9)
-    ax.set_xlabel("ms from the step's start (rank 0; blue all-gather, orange reduce-scatter)")
+    ax.set_xlabel(
+        "ms from the step's start (rank 0; blue all-gather, orange reduce-scatter, green compute)"
+    )
     return fig

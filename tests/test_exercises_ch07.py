@@ -201,7 +201,7 @@ class Zero3Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, kept = ctx.saved_tensors
+        x, kept = ctx.saved_tensors[:2]
         n, r = dist.get_world_size(), dist.get_rank()
         full = GATHERED
         dw = dy.T @ x
@@ -236,9 +236,17 @@ ZERO3_VARIANTS = {
         {"SAVED": "full", "GATHERED": "kept"},
         "kept the gathered W from forward to backward",
     ),
+    "w_stashed_on_ctx": (
+        {"SAVED": "shard); ctx.full = (full"},
+        "kept the gathered W from forward to backward",
+    ),
+    "w_saved_as_a_view": (
+        {"SAVED": "shard, full.T"},
+        "kept the gathered W from forward to backward",
+    ),
     "all_reduce": (
         {"REDUCE": "dist.all_reduce(dw); dshard = dw.chunk(n)[r] / n"},
-        "all-reduced in backward",
+        "all-reduced in backward: every rank then receives the whole gradient",
     ),
 }
 

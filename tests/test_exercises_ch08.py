@@ -40,11 +40,11 @@ VARIANTS = {
     "w3_missing": ('del plan["feed_forward.w3"]', "feed_forward.w3 is not in your plan"),
     "w3_rowwise": (
         'plan["feed_forward.w3"] = RowwiseParallel()',
-        "feed_forward.w3 is RowwiseParallel: its output features feed a split region",
+        "feed_forward.w3 is RowwiseParallel: what does each rank need from its output",
     ),
     "w2_colwise": (
         'plan["feed_forward.w2"] = ColwiseParallel()',
-        "feed_forward.w2 is ColwiseParallel: its inputs are the split heads",
+        "feed_forward.w2 is ColwiseParallel: what does it receive on each rank",
     ),
     "old_names": ('plan["mlp.w1"] = plan.pop("feed_forward.w1")', "'mlp.w1' is not a module"),
     "wo_replicated": (
@@ -54,6 +54,10 @@ VARIANTS = {
     "norms_local": (
         'del plan["attention_norm"], plan["ffn_norm"]',
         "are only this rank's tokens' share",
+    ),
+    "local_output": (
+        'plan["feed_forward"] = PrepareModuleInput(**gather, use_local_output=True)',
+        "a projection received a plain tensor",
     ),
     "no_prepare": ('del plan["attention"], plan["feed_forward"]', "right results, but forward ran"),
 }

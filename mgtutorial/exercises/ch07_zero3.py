@@ -13,6 +13,7 @@ autograd saved, the collectives of forward and backward, and the parameters afte
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -73,8 +74,20 @@ def zero3_worker(cfg: FileWorkerConfig) -> dict:
         ref_grads, ref_dxs, ref_w = one_process()
         out = {"ways": [], "dx": [], "counts": [], "saved_full": False, "grad_none": False}
 
+        gathered: set[int] = set()  # storages the all-gathers of forward wrote into
+        real_gather = dist.all_gather_single
+
+        def spy_gather(output, *args, **kwargs):
+            gathered.add(output.untyped_storage().data_ptr())
+            return real_gather(output, *args, **kwargs)
+
+        def keeps_w(t) -> bool:  # W itself, a view of it, or its storage
+            return isinstance(t, torch.Tensor) and (
+                t.untyped_storage().data_ptr() in gathered or tuple(t.shape) == (OUT, IN)
+            )
+
         def pack(t):
-            out["saved_full"] |= tuple(t.shape) == (OUT, IN)
+            out["saved_full"] |= keeps_w(t)
             return t
 
         for step in range(STEPS):
@@ -83,8 +96,12 @@ def zero3_worker(cfg: FileWorkerConfig) -> dict:
             with (
                 counting_mode() as fwd,
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+                mock.patch.object(dist, "all_gather_single", spy_gather),
             ):
                 pred = fn.apply(x, shard)
+            # W stashed on the Function's ctx (ctx.full = …) is kept for backward as well
+            stash = getattr(pred.grad_fn, "__dict__", {}).values()
+            out["saved_full"] |= any(keeps_w(t) for t in stash)
             with counting_mode() as bwd:
                 F.mse_loss(pred, y).backward()
             out["counts"].append((fwd.counts(), bwd.counts()))
@@ -175,9 +192,10 @@ def zero3_layer(path: str = "ex07_zero3.py") -> None:
     """07b.2: ``Zero3Linear`` in ``path``, a ``torch.autograd.Function`` called as
     ``Zero3Linear.apply(x, shard)``: ``x`` (b, in) this rank's slice of the batch, ``shard``
     (out / N, in) this rank's rows of ``W``; returns ``x · Wᵀ`` (b, out). 3 AdamW steps on 2 gloo
-    ranks (``W`` 6 × 5, a batch of 8) against one process; verifies the shard's gradient (the
-    average over ranks of this rank's rows), the input's gradient, ``W`` after the last step, that
-    the gathered ``W`` is not saved for backward, and the collectives (``CommDebugMode``): one
+    ranks (gloo on any machine; ``W`` 6 × 5, a batch of 8) against one process; verifies the
+    shard's gradient (the average over ranks of this rank's rows), the input's gradient, ``W``
+    after the last step, that the gathered ``W`` (or a view of it) is not kept for backward
+    (saved, or stashed on ``ctx``), and the collectives (``CommDebugMode``): one
     all-gather in forward, one all-gather and one reduce-scatter in backward.
     """
     ex = "07b.2 ZeRO-3 by hand"
@@ -188,7 +206,7 @@ def zero3_layer(path: str = "ex07_zero3.py") -> None:
         ex,
         f"{Path(path).name} defines no torch.autograd.Function `Zero3Linear`",
     )
-    cfg = FileWorkerConfig(path=str(Path(path).resolve()), function="Zero3Linear")
+    cfg = FileWorkerConfig(path=str(Path(path).resolve()), function="Zero3Linear", backend="gloo")
     values = run_ranks(ex, zero3_worker, cfg, 2, timeout_s=30, name=Path(path).stem).values
     _first_step(ex, values)
     for rank, v in sorted(values.items()):
@@ -203,7 +221,9 @@ def zero3_layer(path: str = "ex07_zero3.py") -> None:
             bwd.get("all_reduce", 0) == 0,
             ex,
             f"rank {rank} all-reduced in backward: every rank then receives the whole gradient "
-            "and keeps a slice, 1.5× the bytes; a reduce-scatter gives each rank only its rows",
+            "and keeps a slice; on a ring (NCCL) that sends twice a reduce-scatter's bytes. gloo "
+            "happens to run both as an all-reduce, but the call states what you need: each rank "
+            "only its rows",
         )
         require(
             not v["saved_full"] and bwd.get("all_gather", 0) == 1,

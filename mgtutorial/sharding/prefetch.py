@@ -56,7 +56,8 @@ def read_spans(events) -> dict:
     """From a finished profile's ``events()``: ``order`` (the FSDP labels by start time),
     ``spans`` [[row, label, start ms, end ms], …] with rows "compute" and "FSDP call" (the
     training thread) and "collective" (the backend's thread), times from the step's first event,
-    and ``overlapped``: how many compute ops ran while a collective was in flight."""
+    and ``overlapped``: how many compute ops ran while a collective was in flight (None when no
+    collective event was recorded off the training thread, as with NCCL under a CPU profile)."""
     events = sorted(events, key=lambda e: e.time_range.start)
     t0 = events[0].time_range.start
     main = next(e.thread for e in events if short_name(e.name))
@@ -81,6 +82,8 @@ def read_spans(events) -> dict:
         for row, _, start, end in spans
         if row == "compute"
     )
+    if not flying:  # NCCL: its collectives run on the GPU, which a CPU profile does not see
+        overlapped = None
     return {"order": order, "spans": spans, "overlapped": overlapped}
 
 
@@ -122,7 +125,8 @@ def timeline_figure(timelines: dict[str, dict]):
             if row == "FSDP call":
                 ax.text(start, 1.35, label.split()[1][0], fontsize=6)
         ax.set_yticks(range(3), rows, fontsize=8)
-        ax.set_title(f"{title}: compute ops during a collective: {t['overlapped']}", fontsize=9)
+        seen = "not measured" if t["overlapped"] is None else t["overlapped"]
+        ax.set_title(f"{title}: compute ops during a collective: {seen}", fontsize=9)
     ax.set_xlabel(
         "ms from the step's start (rank 0; blue all-gather, orange reduce-scatter, green compute)"
     )

@@ -101,16 +101,16 @@ def _check_plan(ex: str, plan) -> None:
         require(
             isinstance(plan[name], ColwiseParallel),
             ex,
-            f"{name} is {type(plan[name]).__name__}: its output features feed a split region "
-            "(heads, or the inner features that silu(w1 x) · w3 x multiplies elementwise), so "
-            "split its outputs",
+            f"{name} is {type(plan[name]).__name__}: what does each rank need from its output, "
+            "whole or in part (its own heads; the inner features that silu(w1 x) · w3 x "
+            "multiplies elementwise on this rank)?",
         )
     for name in ROWWISE:
         require(
             isinstance(plan[name], RowwiseParallel),
             ex,
-            f"{name} is {type(plan[name]).__name__}: its inputs are the split heads or inner "
-            "features, so split its inputs and reduce the partial outputs",
+            f"{name} is {type(plan[name]).__name__}: what does it receive on each rank, the "
+            "whole input or a part of it (heads, inner features), and what must follow?",
         )
 
 
@@ -160,7 +160,7 @@ def block_plan(path: str = "ex08_plan.py") -> None:
     ex = "08.5 a plan for a block"
     plan = attempt(ex, function_from(path, "block_plan", ex))
     _check_plan(ex, plan)
-    cfg = FileWorkerConfig(path=str(Path(path).resolve()), function="block_plan")
+    cfg = FileWorkerConfig(path=str(Path(path).resolve()), function="block_plan", backend="gloo")
     values = run_ranks(ex, plan_worker, cfg, 2, timeout_s=60, name=Path(path).stem).values
     for rank, v in sorted(values.items()):
         if "error" in v:
@@ -192,6 +192,13 @@ def block_plan(path: str = "ex08_plan.py") -> None:
         )
         for phase in ("forward", "backward"):
             got = v["counts"][phase]
+            require(
+                "all_reduce" not in got,
+                ex,
+                f"rank {rank}: right results, but {phase} ran {got}: a projection received a "
+                "plain tensor and took it as replicated, so its input's gradient is all-reduced; "
+                "keep DTensors from PrepareModuleInput to the projections",
+            )
             require(
                 got == RIGHT,
                 ex,

@@ -60,9 +60,7 @@ def part_practice(cfg, ctx) -> dict:
     Needs an even world size of at least 4."""
     ref, _ = reference(cfg)
     out = {"blocks": cfg.blocks}
-    out["timeline"] = {
-        k: step_timeline(cfg, ctx, k == "prefetch") for k in ("implicit", "prefetch")
-    }
+    out["timeline"] = {k: step_timeline(cfg, ctx, k) for k in ("implicit", "prefetch", "async")}
     for name, sync_each in (("sync_each", True), ("sync_last", False)):
         model = apply_fsdp(make_model(cfg).to(ctx.device), mesh_for(cfg, ctx))
         counts = train_accumulating(cfg, ctx, model, 2, sync_each)

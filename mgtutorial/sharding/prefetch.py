@@ -20,6 +20,8 @@ Taught in notebooks/07b_fsdp2.ipynb, section 7. :func:`step_timeline` runs insid
 
 from __future__ import annotations
 
+from typing import Literal
+
 from torch import nn
 
 from mgtutorial.sharding.fsdp import apply_fsdp, mesh_for
@@ -36,6 +38,12 @@ LABELS = {
 
 COMPUTE = ("aten::addmm", "aten::mm", "aten::tanh", "aten::tanh_backward")
 """The model's compute ops, forward and backward (the blocks are ``tanh(Linear(x))``)."""
+
+Mode = Literal["implicit", "prefetch", "async"]
+"""How a step gathers the next block: in its own pre-forward ("implicit"), named by the block before
+in ``set_modules_to_forward_prefetch`` ("prefetch"), or issued by the block before with the
+public ``FSDPModule.unshard(async_op=True)``, which the next pre-forward waits on ("async": on gloo
+the all-gather then runs on gloo's thread while the training thread computes)."""
 
 BACKEND_PREFIXES = ("gloo:", "nccl:")
 """Profiler events of the collectives themselves, recorded by the process group's own thread."""
@@ -87,16 +95,20 @@ def read_spans(events) -> dict:
     return {"order": order, "spans": spans, "overlapped": overlapped}
 
 
-def step_timeline(cfg, ctx, prefetch: bool) -> dict:
+def step_timeline(cfg, ctx, mode: Mode) -> dict:
     """One warm training step of 3 blocks under ``torch.profiler`` (after one unprofiled step),
-    read with :func:`read_spans`. With ``prefetch``, each block names the next one in
-    ``set_modules_to_forward_prefetch``; backward prefetches implicitly (FSDP2's default)."""
+    read with :func:`read_spans`; see :data:`Mode`. Backward prefetches implicitly (FSDP2's
+    default) in every mode."""
     from torch.profiler import ProfilerActivity, profile
 
     model = apply_fsdp(make_model(cfg, 3).to(ctx.device), mesh_for(cfg, ctx))
-    if prefetch:
-        for block, following in zip(model.blocks, model.blocks[1:]):
+    for block, following in zip(model.blocks, model.blocks[1:]):
+        if mode == "prefetch":
             block.set_modules_to_forward_prefetch([following])
+        elif mode == "async":  # after FSDP2's own pre-forward hook: this block is gathered
+            block.register_forward_pre_hook(
+                lambda *_, f=following: f.unshard(async_op=True) and None
+            )
     x, y = (t.to(ctx.device) for t in batch(cfg, 0, ctx.rank, ctx.world_size))
     nn.functional.mse_loss(model(x), y).backward()  # the first step also initialises FSDP2
     with profile(activities=[ProfilerActivity.CPU]) as prof:

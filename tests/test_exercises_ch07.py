@@ -61,7 +61,7 @@ def test_smallest_ranks_is_the_closed_form():
     "guess, hint",
     [
         ({"zero1": 5, "zero2": 4, "zero3": 3}, "at N = 5, zero1 still holds 83.2 GB"),
-        ({"zero1": 6, "zero2": 5, "zero3": 3}, "zero2 is already under 80 GB at N = 4"),
+        ({"zero1": 6, "zero2": 5, "zero3": 3}, "zero2 at N = 5 is under 80 GB, and so is"),
         ({"zero1": 6, "zero2": 4, "zero3": 2.5}, "give a number of ranks"),
         ({"zero1": 6, "zero2": 4}, "`predicted['zero3']` is still `None`"),
     ],
@@ -179,4 +179,95 @@ def test_reshard_policy_state_and_mesh(body, hint, tmp_path, no_leftovers, monke
     )
     with pytest.raises(ExerciseError, match="^07b.1 reshard policy: ") as err:
         ch07.reshard_policy(predicted={b: (b + 1, b - 1, b + 1) for b in (1, 2, 3)})
+    assert hint in err.value.hint
+
+
+ZERO3 = """import torch
+import torch.distributed as dist
+
+
+def gather(shard):
+    full = shard.new_empty(dist.get_world_size() * shard.shape[0], shard.shape[1])
+    dist.all_gather_single(full, shard.detach().contiguous())
+    return full
+
+
+class Zero3Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shard):
+        full = gather(shard)
+        ctx.save_for_backward(x, SAVED)
+        return x @ full.T
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, kept = ctx.saved_tensors[:2]
+        n, r = dist.get_world_size(), dist.get_rank()
+        full = GATHERED
+        dw = dy.T @ x
+        REDUCE
+        return DX, dshard
+"""
+RS = (
+    "dshard = dw.new_empty(dw.shape[0] // n, dw.shape[1]); "
+    "dist.reduce_scatter_single(dshard, dw.contiguous()); "
+)
+ZERO3_PARTS = {
+    "SAVED": "shard",
+    "GATHERED": "gather(kept)",
+    "REDUCE": RS + "dshard = dshard / n",
+    "DX": "dy @ full",
+}
+ZERO3_VARIANTS = {
+    "sum": ({"REDUCE": RS}, "the SUM of the ranks' gradients"),
+    "local": (
+        {"REDUCE": "dshard = dw.chunk(n)[r] / 1"},
+        "this rank's own gradient of its rows",
+    ),
+    "other_rows": (
+        {"REDUCE": "dist.all_reduce(dw); dshard = dw.chunk(n)[1 - r] / n"},
+        "another rank's rows",
+    ),
+    "dx_from_shard": (
+        {"DX": "dy[:, r * kept.shape[0]:(r + 1) * kept.shape[0]] @ kept"},
+        "the input's gradient is not",
+    ),
+    "kept_w": (
+        {"SAVED": "full", "GATHERED": "kept"},
+        "kept the gathered W from forward to backward",
+    ),
+    "w_stashed_on_ctx": (
+        {"SAVED": "shard); ctx.full = (full"},
+        "kept the gathered W from forward to backward",
+    ),
+    "w_saved_as_a_view": (
+        {"SAVED": "shard, full.T"},
+        "kept the gathered W from forward to backward",
+    ),
+    "all_reduce": (
+        {"REDUCE": "dist.all_reduce(dw); dshard = dw.chunk(n)[r] / n"},
+        "all-reduced in backward: every rank then receives the whole gradient",
+    ),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", [None, *ZERO3_VARIANTS])
+def test_zero3_layer_variants(variant, tmp_path, capsys, no_leftovers, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    parts, hint = (
+        (ZERO3_PARTS, None)
+        if variant is None
+        else (ZERO3_PARTS | ZERO3_VARIANTS[variant][0], ZERO3_VARIANTS[variant][1])
+    )
+    source = ZERO3
+    for key, code in parts.items():
+        source = source.replace(key, code)
+    (tmp_path / "ex07_zero3.py").write_text(source)
+    if hint is None:
+        ch07.zero3_layer()
+        assert "equals one process" in capsys.readouterr().out
+        return
+    with pytest.raises(ExerciseError, match="^07b.2 ZeRO-3 by hand: ") as err:
+        ch07.zero3_layer()
     assert hint in err.value.hint

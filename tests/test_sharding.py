@@ -275,12 +275,23 @@ def test_accumulation_and_hsdp_count_their_collectives_and_equal_one_process(fou
             assert p[name]["max_diff"] < 1e-5, name
         # without explicit prefetch a block's forward starts before the next block's all-gather;
         # with it, the next all-gather is issued first (inside the previous block's pre-forward)
-        implicit, prefetch = p["timeline"]["implicit"], p["timeline"]["prefetch"]
+        implicit, prefetch = (p["timeline"][k]["order"] for k in ("implicit", "prefetch"))
+        assert implicit[:3] == ["fwd root", "AG root", "fwd 0"]
         assert implicit.index("fwd 1") < implicit.index("AG 1")
         assert prefetch.index("fwd 0") < prefetch.index("AG 1") < prefetch.index("fwd 1")
         # backward prefetches by default: block 1 is gathered before block 2's gradients reduce
         again = prefetch.index("AG 1", prefetch.index("bwd 2"))  # block 1's backward all-gather
         assert again < prefetch.index("RS 2")
+        # on gloo every collective is waited for where it is issued: no compute while one runs
+        for kind in ("implicit", "prefetch"):
+            t = p["timeline"][kind]
+            assert t["overlapped"] == 0, kind
+            assert {row for row, *_ in t["spans"]} == {"compute", "FSDP call", "collective"}
+        assert p["timeline"]["async"]["order"][:6] == prefetch[:6]
+    # issued with unshard(async_op=True), the next all-gather runs on gloo's thread while block 0
+    # computes: the same instrument then sees compute during a collective (on some rank: how
+    # many ops fall inside depends on when gloo's thread starts)
+    assert any(v["practice"]["timeline"]["async"]["overlapped"] >= 1 for v in four.values())
 
 
 def test_practice_needs_four_ranks(runs, no_leftovers):
@@ -305,3 +316,33 @@ def test_same_checks_on_two_gpus_with_nccl(tmp_path, no_leftovers):
     assert values[0]["mixed"]["inside_forward"]["weight"] == "torch.bfloat16"
     for r, v in values.items():  # bf16 compute, yet at rest the fp32 row, as on CPU
         assert v["mixed"]["memory"] == memory.memory_per_rank(shapes(), 2, "zero3", "fp32", rank=r)
+
+
+def test_prefetch_reads_fsdp_labels_and_counts_compute_during_a_collective():
+    from types import SimpleNamespace as NS
+
+    from mgtutorial.sharding import prefetch
+
+    assert prefetch.short_name("FSDP::all_gather (blocks.1)") == "AG 1"
+    assert prefetch.short_name("FSDP::all_gather") == "AG root"
+    assert prefetch.short_name("FSDP::all_gather_copy_out (blocks.1)") is None
+    assert prefetch.short_name("FSDP::post_backward_reduce (blocks.0)") == "RS 0"
+
+    def ev(name, thread, start, end):  # profiler times in µs
+        return NS(name=name, thread=thread, time_range=NS(start=start, end=end))
+
+    events = [
+        ev("FSDP::pre_forward (blocks.0)", 1, 0, 100),
+        ev("FSDP::all_gather (blocks.0)", 1, 10, 90),
+        ev("gloo:all_gather", 2, 20, 80),
+        ev("aten::addmm", 1, 50, 60),  # during the collective: counted
+        ev("aten::tanh", 1, 120, 130),  # after it: not counted
+    ]
+    t = prefetch.read_spans(events)
+    assert t["order"] == ["fwd 0", "AG 0"]
+    assert t["overlapped"] == 1
+    assert t["spans"][0] == ["FSDP call", "AG 0", 0.01, 0.09]
+    fig = prefetch.timeline_figure({"made up": t})
+    assert "compute ops during a collective: 1" in fig.axes[0].get_title()
+    # no collective recorded off the training thread (NCCL under a CPU profile): not measured
+    assert prefetch.read_spans(events[:2] + events[3:])["overlapped"] is None

@@ -1,7 +1,8 @@
-"""Checkers of chapter 07's exercises (notebooks/07a_zero_memory.ipynb): how many ranks bring a 13 B
-model under 80 GB (07a.1), per-rank bytes with padding (07a.2), ZeRO-1's step with clipping by the
-global gradient norm (07a.3, in :mod:`mgtutorial.exercises.ch07_zero`) and a per-block
-``reshard_after_forward`` policy (07b.1, in :mod:`mgtutorial.exercises.ch07_fsdp`); all four are
+"""Checkers of chapter 07's exercises (notebooks/07a_zero_memory.ipynb, 07b_fsdp2.ipynb): how many
+ranks bring a 13 B model under 80 GB (07a.1), per-rank bytes with padding (07a.2), ZeRO-1's step
+with clipping by the global gradient norm (07a.3, in :mod:`mgtutorial.exercises.ch07_zero`), a
+per-block ``reshard_after_forward`` policy (07b.1, in :mod:`mgtutorial.exercises.ch07_fsdp`) and
+ZeRO-3 by hand for one layer (07b.2, in :mod:`mgtutorial.exercises.ch07_zero3`); all five are
 reached as ``ex.ch07.<checker>``.
 """
 
@@ -16,6 +17,7 @@ from mgtutorial.exercises.ch07_zero import (
     clipped_reference,
     zero1_clipped,
 )
+from mgtutorial.exercises.ch07_zero3 import zero3_layer, zero3_worker
 from mgtutorial.sharding import memory, worker
 
 __all__ = [
@@ -33,6 +35,8 @@ __all__ = [
     "reshard_policy",
     "smallest_ranks",
     "zero1_clipped",
+    "zero3_layer",
+    "zero3_worker",
 ]
 
 LIMIT = 8e10  # 80 GB (10⁹ bytes), model states only
@@ -80,9 +84,8 @@ def fits_in_80gb(predicted: dict) -> None:
         if guess != truth:
             raise ExerciseError(
                 ex,
-                f"{scheme} is already under 80 GB at N = {guess - 1} "
-                f"({gigabytes(psi, guess - 1, scheme):.1f} GB): the question asks for the "
-                "smallest N",
+                f"{scheme} at N = {guess} is under 80 GB, and so is a smaller N: the question "
+                "asks for the smallest",
             )
     passed(ex, "ZeRO-1 needs 6 ranks, ZeRO-2 4, ZeRO-3 3 (13 B parameters, 2 + 2 + 12 bytes each)")
 
@@ -90,17 +93,17 @@ def fits_in_80gb(predicted: dict) -> None:
 # --- 07a.2 ---------------------------------------------------------------------------------------
 
 PAD_HINTS = {
-    ("zero2", "params"): "our ZeRO's full parameters are views of ONE flat buffer of N·⌈Ψ/N⌉ "
-    "elements (Ψ = 351)",
-    ("zero2", "grads"): "ZeRO-2 keeps its slice of the gradients: ⌈Ψ/N⌉ elements of 4 bytes",
-    ("zero2", "optimizer"): "each rank keeps exp_avg and exp_avg_sq (4 + 4 bytes) for its ⌈Ψ/N⌉ "
-    "elements",
-    ("zero3", "params"): "FSDP2 pads each parameter's shard to ⌈d₀/N⌉ rows on every rank (the "
-    "head has 3 rows)",
-    ("zero3", "grads"): "the gradient shards are padded like the parameters: ⌈d₀/N⌉ rows of "
-    "every parameter",
-    ("zero3", "optimizer"): "Adam(W) state is made from the unpadded local shard: only the rows "
-    "this rank owns",
+    ("zero2", "params"): "our ZeRO keeps the full parameters as views of one flat buffer: count "
+    "every element of that buffer, its padding included (section 2)",
+    ("zero2", "grads"): "ZeRO-2 keeps only this rank's slice of the gradients; is Ψ odd or even, "
+    "and what does that do to a slice?",
+    ("zero2", "optimizer"): "Adam(W) keeps two fp32 states for each element of this rank's slice, "
+    "padding included",
+    ("zero3", "params"): "FSDP2 stores the same number of rows of each parameter on every rank, "
+    "owned or not: what does torch.chunk give the head's rows on 2 ranks?",
+    ("zero3", "grads"): "the gradient shards are stored like the parameter shards",
+    ("zero3", "optimizer"): "Adam(W) state is made from the local shard without its padding: "
+    "count only the rows this rank owns",
 }
 """(scheme, part) → the hint when a predicted byte count of that part is wrong."""
 

@@ -1,7 +1,7 @@
-"""FSDP2 as people run it: the order a step issues its collectives in, with and without explicit
-forward prefetching; gradient accumulation without a reduce-scatter per micro-batch
-(``set_requires_gradient_sync``); HSDP on a 2-D mesh (replicate × shard); every collective
-counted and every result compared with one process.
+"""FSDP2 as people run it: a step's timeline with and without explicit forward prefetching
+(:mod:`mgtutorial.sharding.prefetch`); gradient accumulation without a reduce-scatter per
+micro-batch (``set_requires_gradient_sync``); HSDP on a 2-D mesh (replicate × shard); every
+collective counted and every result compared with one process.
 
 Taught in notebooks/07b_fsdp2.ipynb, section 7. Follows
 https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html (``set_requires_gradient_sync``;
@@ -20,6 +20,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from mgtutorial.common.compare import collective_counts, max_abs_diff
 from mgtutorial.sharding.fsdp import apply_fsdp, mesh_device_type, mesh_for
 from mgtutorial.sharding.model import batch, make_model, reference
+from mgtutorial.sharding.prefetch import step_timeline
 
 
 def accumulate_step(model, opt, x, y, micro: int, sync_each: bool) -> dict[str, int]:
@@ -46,38 +47,6 @@ def train_accumulating(cfg, ctx, model, micro: int, sync_each: bool) -> list[dic
     return counts
 
 
-TIMELINE = {
-    "FSDP::all_gather (": "AG",
-    "FSDP::pre_forward (": "fwd",
-    "FSDP::pre_backward (": "bwd",
-    "FSDP::post_backward_reduce (": "RS",
-}
-"""FSDP2's own profiler labels (``record_function`` in ``_fsdp_param_group.py``) → short names."""
-
-
-def step_timeline(cfg, ctx, prefetch: bool) -> list[str]:
-    """The order in which one step of 3 blocks issues each block's all-gather (AG), starts its
-    forward (fwd) and backward (bwd) and reduce-scatters its gradients (RS), read from FSDP2's
-    profiler labels, e.g. ``"AG 1"``. With ``prefetch``, each block names the next one in
-    ``set_modules_to_forward_prefetch``, so its forward issues the next all-gather before it
-    computes; backward prefetches implicitly (FSDP2's default)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    model = apply_fsdp(make_model(cfg, 3).to(ctx.device), mesh_for(cfg, ctx))
-    if prefetch:
-        for block, following in zip(model.blocks, model.blocks[1:]):
-            block.set_modules_to_forward_prefetch([following])
-    x, y = (t.to(ctx.device) for t in batch(cfg, 0, ctx.rank, ctx.world_size))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        nn.functional.mse_loss(model(x), y).backward()
-    out = []
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        for label, short in TIMELINE.items():
-            if e.name.startswith(label):  # "FSDP::all_gather (blocks.1)" → "AG 1"
-                out.append(f"{short} {e.name[len(label) :].rstrip(')').split('.')[-1]}")
-    return out
-
-
 def hsdp_mesh(cfg, ctx):
     """A ``(replicate, shard)`` mesh of 2 × (N / 2) ranks: ranks (0, 1) and (2, 3) each hold one
     sharded copy; ranks (0, 2) and (1, 3) hold the same shard and all-reduce its gradients."""
@@ -91,9 +60,7 @@ def part_practice(cfg, ctx) -> dict:
     Needs an even world size of at least 4."""
     ref, _ = reference(cfg)
     out = {"blocks": cfg.blocks}
-    out["timeline"] = {
-        k: step_timeline(cfg, ctx, k == "prefetch") for k in ("implicit", "prefetch")
-    }
+    out["timeline"] = {k: step_timeline(cfg, ctx, k) for k in ("implicit", "prefetch", "async")}
     for name, sync_each in (("sync_each", True), ("sync_last", False)):
         model = apply_fsdp(make_model(cfg).to(ctx.device), mesh_for(cfg, ctx))
         counts = train_accumulating(cfg, ctx, model, 2, sync_each)

@@ -37,6 +37,9 @@ class TPConfig(Config):
     """Seed of the weights (every rank builds the same unsplit block, then takes its slices)."""
     backend: BackendChoice = "auto"
     """The process group's backend; "auto" is NCCL with a GPU per rank, else gloo."""
+    extras: bool = True
+    """Also run the pitfalls and loss parallelism (sections 8–9) after the splits; exercise
+    08.1's checker, which reads only the splits' counts, turns them off."""
 
     def validate(self, nprocs: int) -> None:
         """Called by :func:`mgtutorial.launch` before any rank starts, with ``nprocs`` the TP

@@ -124,7 +124,7 @@ def worker(cfg: TPConfig) -> dict:
     :func:`check_hand_split`), ``dtensor``, ``dtensor_unprepared``, ``sequence_parallel`` (see
     :func:`check_plan`); ``counts`` are {"forward", "backward": {collective: calls}, "bytes"} from
     ``CommDebugMode``, ``max_diff`` the largest |difference| of outputs, input gradient and
-    parameter gradients. Then ``pitfalls``: see
+    parameter gradients. Then, with ``cfg.extras``, ``pitfalls``: see
     :func:`mgtutorial.tensor_parallel.pitfalls.pitfalls`; ``loss_parallel``: see
     :func:`mgtutorial.tensor_parallel.loss.check_loss_parallel`.
 
@@ -155,6 +155,7 @@ def worker(cfg: TPConfig) -> dict:
             results[name] = check_plan(
                 ref, want, mesh, x, dy, sp, prepare, None if sp else hand_out
             )
-        results["pitfalls"] = pitfalls.pitfalls(cfg, ctx, mesh)
-        results["loss_parallel"] = loss.check_loss_parallel(cfg, ctx, mesh)
+        if cfg.extras:
+            results["pitfalls"] = pitfalls.pitfalls(cfg, ctx, mesh)
+            results["loss_parallel"] = loss.check_loss_parallel(cfg, ctx, mesh)
         return results

@@ -21,7 +21,7 @@ def counts(predicted: dict) -> None:
         k: answered(predicted.get(k), ex, f'predicted["{k}"]')
         for k in ("forward", "backward", "all_reduce_bytes", "all_gather_bytes")
     }
-    cfg = config.TPConfig(h=32, n_heads=8, batch=3, seq=4)
+    cfg = config.TPConfig(h=32, n_heads=8, batch=3, seq=4, extras=False)
     v = run_ranks(ex, worker.worker, cfg, 2, name="tp").values[0]
     block, dt, sp = (v[k]["counts"] for k in ("hand_block", "dtensor", "sequence_parallel"))
     for phase in ("forward", "backward"):
@@ -29,22 +29,22 @@ def counts(predicted: dict) -> None:
         require(
             guess[phase] == got,
             ex,
-            f"the split block did not issue {guess[phase]} all-reduces in {phase}: one g "
-            "(forward) or one f (backward) per sublayer, attention and MLP",
+            f"the split block did not issue {guess[phase]} all-reduces in {phase}: which "
+            "sublayers does a block hold, and where do their f and g sit (section 3)?",
         )
     got = {n for n, _ in dt["bytes"]["all_reduce"]}.pop()
     require(
         guess["all_reduce_bytes"] == got,
         ex,
-        f"each all-reduce did not move {guess['all_reduce_bytes']} bytes: one (b, s, h) "
-        "float32 activation is b·s·h·4 bytes",
+        f"each all-reduce did not move {guess['all_reduce_bytes']} bytes: which tensor "
+        "does a row-parallel layer all-reduce, what is its shape, and how wide is float32?",
     )
     got = sp["bytes"]["all_gather"][0]
     require(
         list(guess["all_gather_bytes"]) == got,
         ex,
-        f"each all-gather did not take and return {list(guess['all_gather_bytes'])} bytes: a "
-        "rank sends its s / tp tokens and receives all s",
+        f"each all-gather did not take and return {list(guess['all_gather_bytes'])} bytes: "
+        "what part of the sequence does a rank hold before the all-gather, and after (section 5)?",
     )
     passed(
         ex,

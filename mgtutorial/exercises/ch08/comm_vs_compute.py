@@ -1,4 +1,4 @@
-"""Checker of exercise 08.4 (notebooks/08b_tp_mesh_cost.ipynb): the TP degree at which one
+"""Checker of exercise 08.4 (notebooks/08_tensor_parallel.ipynb): the TP degree at which one
 block's forward communication outgrows its matmuls, on DGX H100 nodes (8 InfiniBand ports each)
 and on nodes with one port, with the arithmetic of section 7
 (:func:`mgtutorial.tensor_parallel.cost.comm_bytes`) and the course's one model of the links,
@@ -43,12 +43,14 @@ def _check_ratio(ex: str, ratio) -> None:
             fixes = [  # (factor that would make the learner's ratio right, what it forgot)
                 (
                     2 * (n - 1) / n,
-                    "a ring all-reduce sends 2(n − 1)/n of the tensor from each rank",
+                    "a ring all-reduce does not send the tensor once from each rank: how much "
+                    "does each rank send (section 7)?",
                 ),
-                (n, "each rank computes 1/tp of the matmuls"),
+                (n, "does each rank compute all the matmuls of the block?"),
                 (
                     2 * (n - 1),
-                    "count the ring's 2(n − 1)/n, and each rank computes only 1/tp of the matmuls",
+                    "two things: what a ring all-reduce sends from each rank, and what share of "
+                    "the matmuls each rank computes",
                 ),
                 (989 / 990, f"take the peak from costmodel.H100.peak_flops ({peak:.4g} FLOP/s)"),
                 (

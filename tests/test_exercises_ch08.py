@@ -1,0 +1,111 @@
+"""Chapter 08's checkers on wrong answers: each mistake gets its own hint (tests/test_exercises.py
+covers the solutions and the untouched starters). Learner files are written to a temporary
+folder."""
+
+from __future__ import annotations
+
+import pytest
+
+from mgtutorial.exercises import ch08
+from mgtutorial.exercises._common import ExerciseError
+
+PLAN = """from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+
+def block_plan():
+    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(**gather),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(**gather),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    CHANGE
+    return plan
+"""
+VARIANTS = {
+    "w3_missing": ('del plan["feed_forward.w3"]', "feed_forward.w3 is not in your plan"),
+    "w3_rowwise": (
+        'plan["feed_forward.w3"] = RowwiseParallel()',
+        "feed_forward.w3 is RowwiseParallel: what does each rank need from its output",
+    ),
+    "w2_colwise": (
+        'plan["feed_forward.w2"] = ColwiseParallel()',
+        "feed_forward.w2 is ColwiseParallel: what does it receive on each rank",
+    ),
+    "old_names": ('plan["mlp.w1"] = plan.pop("feed_forward.w1")', "'mlp.w1' is not a module"),
+    "wo_replicated": (
+        'plan["attention.wo"] = RowwiseParallel()',
+        "rank 0: your plan fails in forward or backward",
+    ),
+    "norms_local": (
+        'del plan["attention_norm"], plan["ffn_norm"]',
+        "are only this rank's tokens' share",
+    ),
+    "local_output": (
+        'plan["feed_forward"] = PrepareModuleInput(**gather, use_local_output=True)',
+        "a projection received a plain tensor",
+    ),
+    "no_prepare": ('del plan["attention"], plan["feed_forward"]', "right results, but forward ran"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", [None, *VARIANTS])
+def test_block_plan_variants(variant, tmp_path, capsys, no_leftovers, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    change, hint = VARIANTS.get(variant, ("pass", None))
+    (tmp_path / "ex08_plan.py").write_text(PLAN.replace("CHANGE", change))
+    if hint is None:
+        ch08.block_plan()
+        assert "2 all-gathers + 2 reduce-scatters" in capsys.readouterr().out
+        return
+    with pytest.raises(ExerciseError, match="^08.5 a plan for a block: ") as err:
+        ch08.block_plan()
+    assert hint in err.value.hint, err.value.hint
+
+
+def _ratio(ring: bool, share: bool):
+    from mgtutorial.perf import costmodel
+    from mgtutorial.tensor_parallel import cost
+
+    def ratio(tp_degree, link_bw):
+        big = cost.comm_bytes(b=1, s=2048, h=12288, ffn=4 * 12288, tp=tp_degree)
+        comm_s = big["tp_forward"] * (2 * (tp_degree - 1) / tp_degree if ring else 1) / link_bw
+        compute_s = 2 * big["params"] * 2048 / (tp_degree if share else 1)
+        return comm_s / (compute_s / costmodel.H100.peak_flops)
+
+    return ratio
+
+
+@pytest.mark.parametrize(
+    "ring, share, hint",
+    [
+        (False, True, "a ring all-reduce does not send the tensor once"),
+        (True, False, "does each rank compute all the matmuls"),
+        (False, False, "two things"),
+    ],
+)
+def test_crossover_hints_name_the_mistake_not_the_factor(ring, share, hint):
+    with pytest.raises(ExerciseError, match="^08.4 crossover: ") as err:
+        ch08.crossover(_ratio(ring, share), {"dgx_h100": 16, "one_port": 12})
+    assert hint in err.value.hint and "2(n − 1)" not in err.value.hint
+    assert "1/tp" not in err.value.hint
+
+
+def test_crossover_solution_passes(capsys):
+    ch08.crossover(_ratio(True, True), {"dgx_h100": 16, "one_port": 12})
+    assert "from tp = 16 on DGX H100 nodes and 12 with one port" in capsys.readouterr().out

@@ -46,8 +46,6 @@ PENDING: dict[str, set[str]] = {
     "07b_fsdp2.ipynb": {"132471", "2.10"},
     "08_tensor_parallel.ipynb": {"1,979", "1024", "12288", "2019", "2022", "512", "989"},
     "09b_measurement.ipynb": {"0.66"},
-    "10a_context_parallel.ipynb": {"4096"},
-    "10b_expert_parallel.ipynb": {"14336", "4096"},
 }
 
 _NUMBER = re.compile(

@@ -254,3 +254,12 @@ def test_expert_parallel_equals_one_process(runs, no_leftovers, nprocs):
     kept = sum(per_expert)
     assert kept + v0["ref_dropped"] == nprocs * cfg.tokens * cfg.top_k
     assert math.ceil(cfg.tokens * cfg.top_k / cfg.experts) * nprocs >= max(per_expert)
+
+
+def test_trim_keeps_the_visible_half_of_a_zigzag_block():
+    pos = [zigzag.positions(r, 2, 16, "zigzag") for r in range(2)]  # [0-3, 12-15], [4-11]
+    rows, cols = ring_attention.trim(online_softmax.visible(pos[1], pos[0], True))
+    assert rows.tolist() == list(range(8)) and cols.tolist() == [0, 1, 2, 3]  # keys 0-3
+    rows, cols = ring_attention.trim(online_softmax.visible(pos[0], pos[1], True))
+    assert rows.tolist() == [4, 5, 6, 7] and cols.tolist() == list(range(8))  # queries 12-15
+    assert ring_attention.trim(None) == (slice(None), slice(None))

@@ -81,8 +81,10 @@ def test_zigzag_is_torchs_head_tail_balancer_and_balances_the_causal_work():
             parts = [zigzag.shard(x, r, cp, layout) for r in range(cp)]
             assert torch.equal(zigzag.unshard(parts, layout), x)
         assert zigzag.imbalance(cp, seq, "zigzag") == 1.0
-    assert [zigzag.visible_pairs(r, 2, 16, "contiguous") for r in range(2)] == [36, 100]
-    assert zigzag.imbalance(2, 16, "contiguous") == pytest.approx(100 / 68)
+    assert [zigzag.block_work(r, 2, 16, "contiguous") for r in range(2)] == [64, 128]
+    assert [zigzag.block_work(r, 4, 16, "zigzag") for r in range(4)] == [40] * 4
+    assert zigzag.imbalance(2, 16, "contiguous") == pytest.approx(4 / 3)
+    assert zigzag.imbalance(8, 64, "contiguous") == pytest.approx(16 / 9)
     with pytest.raises(ValueError, match="layout='ring'"):
         zigzag.positions(0, 2, 16, "ring")
 
@@ -221,9 +223,7 @@ def test_ring_attention_equals_one_process(runs, no_leftovers, nprocs):
                 "backward_sends": want["backward_sends"],
                 "backward_bytes": want["backward"],
             }
-            assert case["work"]["pairs"] == zigzag.visible_pairs(
-                rank, nprocs, cfg.seq, layout, causal
-            )
+            assert case["work"]["pairs"] == zigzag.block_work(rank, nprocs, cfg.seq, layout, causal)
         # contiguous causal: rank r skips the blocks of the ranks after it
         assert v["causal"]["work"].get("skipped", 0) == nprocs - 1 - rank
         assert v["wrong_merge"] > 0.1  # the negative control: a wrong merge is far off
@@ -254,3 +254,12 @@ def test_expert_parallel_equals_one_process(runs, no_leftovers, nprocs):
     kept = sum(per_expert)
     assert kept + v0["ref_dropped"] == nprocs * cfg.tokens * cfg.top_k
     assert math.ceil(cfg.tokens * cfg.top_k / cfg.experts) * nprocs >= max(per_expert)
+
+
+def test_trim_keeps_the_visible_half_of_a_zigzag_block():
+    pos = [zigzag.positions(r, 2, 16, "zigzag") for r in range(2)]  # [0-3, 12-15], [4-11]
+    rows, cols = ring_attention.trim(online_softmax.visible(pos[1], pos[0], True))
+    assert rows.tolist() == list(range(8)) and cols.tolist() == [0, 1, 2, 3]  # keys 0-3
+    rows, cols = ring_attention.trim(online_softmax.visible(pos[0], pos[1], True))
+    assert rows.tolist() == [4, 5, 6, 7] and cols.tolist() == list(range(8))  # queries 12-15
+    assert ring_attention.trim(None) == (slice(None), slice(None))

@@ -32,6 +32,13 @@ def test_combine_both_ways(capsys):
     with pytest.raises(ExerciseError, match="its share of the total"):
         ch10a.combine(o_wrong)
 
+    def overflows(o1, l1, o2, l2):  # right in exact arithmetic, inf in float32
+        e1, e2 = torch.exp(l1)[..., None], torch.exp(l2)[..., None]
+        return (o1 * e1 + o2 * e2) / (e1 + e2), torch.log(e1 + e2)[..., 0]
+
+    with pytest.raises(ExerciseError, match="overflows float32"):
+        ch10a.combine(overflows)
+
 
 def test_smallest_cp_both_ways(capsys):
     ch10a.smallest_cp({"flash": 4, "materialised": 1024})

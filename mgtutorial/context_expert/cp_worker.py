@@ -42,7 +42,8 @@ def check_ring(full: list, rank: int, cp: int, causal: bool, layout: str) -> dic
     """Ring attention on this rank's shard of ``full`` = [q, k, v, dout] against the matching
     shard of :func:`reference` (``assert_close``: a mismatch raises in the rank).
 
-    Returns {"max_diff", "counts" (:data:`ring.COUNTS`), "work" (:data:`ring.WORK`)}.
+    Returns {"max_diff", "diffs" (max |Δ| of out, dq, dk, dv), "counts" (:data:`ring.COUNTS`),
+    "work" (:data:`ring.WORK`)}.
     """
     want = [zigzag.shard(t, rank, cp, layout) for t in reference(*full, causal)]
     q, k, v, dout = (zigzag.shard(t, rank, cp, layout) for t in full)
@@ -55,6 +56,9 @@ def check_ring(full: list, rank: int, cp: int, causal: bool, layout: str) -> dic
     compare.all_close(zip(got, want), **TOL)
     return {
         "max_diff": compare.max_abs_diff(got, want),
+        "diffs": {
+            n: compare.max_abs_diff(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, want)
+        },
         "counts": dict(ring.COUNTS),
         "work": dict(ring.WORK),
     }

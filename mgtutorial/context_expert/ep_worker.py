@@ -20,6 +20,8 @@ from mgtutorial.runtime import env
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 """How close the split layer must come to one process (float32, another order of summation)."""
+NAMES = ("out", "d tokens", "d router", "d w1", "d w2")
+"""What the worker compares with one process, in the order of ``diffs``."""
 AUX = 0.01
 """Weight of the balancing loss in the loss of both runs: ``(out · dy).sum() + AUX · aux``."""
 
@@ -40,10 +42,10 @@ def worker(cfg: EPConfig) -> dict:
     """Run the split layer on this rank's group and compare it with :func:`reference`
     (``assert_close``: a mismatch raises in the rank).
 
-    Returns {"max_diff", "per_expert" (rows of each local expert), "ref_per_expert" (all experts,
-    one process), "dropped", "ref_dropped", "send", "recv", "counted" (:data:`ep.COUNTS`),
-    "predicted" (:func:`ep.predicted_bytes`), "comm" {"forward", "backward": CommDebugMode's
-    counts}}.
+    Returns {"max_diff", "diffs" (max |Δ| per :data:`NAMES`), "per_expert" (rows of each local
+    expert), "ref_per_expert" (all experts, one process), "dropped", "ref_dropped", "send",
+    "recv", "counted" (:data:`ep.COUNTS`), "predicted" (:func:`ep.predicted_bytes`), "comm"
+    {"forward", "backward": CommDebugMode's counts}}.
     """
     with env.distributed(cfg.backend) as ctx:
         n, rank = ctx.world_size, ctx.rank
@@ -74,6 +76,7 @@ def worker(cfg: EPConfig) -> dict:
         plan = ep.plan(layer, x.detach(), n)
         return {
             "max_diff": compare.max_abs_diff(got, want),
+            "diffs": {n: compare.max_abs_diff(a, b) for n, a, b in zip(NAMES, got, want)},
             "per_expert": stats["per_expert"],
             "ref_per_expert": ref_stats["per_expert"],
             "dropped": stats["dropped"],

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from mgtutorial.context_expert.moe import MoE, balancing_loss, capacity, expert_mlp, route
 
 COUNTS: Counter = Counter()
-"""All-to-alls of this process: ``calls``, ``bytes`` (the input buffers), ``off_rank`` (the bytes
-of the input that go to another rank)."""
+"""All-to-alls of this process: ``calls``, ``bytes`` (of the input buffers, as handed to
+``all_to_all_single``), ``off_rank`` (the bytes of the input that go to another rank)."""
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group=None) -> torch.Tensor:
@@ -33,8 +33,8 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group=None) ->
     out = x.new_empty((sum(recv), *x.shape[1:]))
     row = x[0].numel() * x.element_size() if len(x) else 0
     COUNTS["calls"] += 1
-    COUNTS["bytes"] += sum(send) * row
-    COUNTS["off_rank"] += (sum(send) - send[dist.get_rank(group)]) * row
+    COUNTS["bytes"] += x.numel() * x.element_size()  # the buffer handed to the collective
+    COUNTS["off_rank"] += x.numel() * x.element_size() - send[dist.get_rank(group)] * row
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
     return out
 

@@ -33,9 +33,10 @@ BF16 = 2
 
 @dataclass(frozen=True)
 class MoEModel:
-    """A mixture-of-experts transformer: every layer has attention and E experts (MLPs of inner
-    width ``ffn``), each token going to ``top_k`` of them. Defaults: the shape of Mixtral 8x7B
-    (https://arxiv.org/abs/2401.04088, table 1), at a 32k-token context."""
+    """A mixture-of-experts transformer: every layer has attention and E experts (SwiGLU MLPs of
+    inner width ``ffn``), each token going to ``top_k`` of them. Defaults: the shape of Mixtral
+    8x7B (https://arxiv.org/abs/2401.04088, table 1: 47 B parameters, 13 B active; the 0.26 B of
+    embeddings, the router and the norms are left out here), at a 32k-token context."""
 
     layers: int = 32
     hidden: int = 4096
@@ -55,13 +56,13 @@ class MoEModel:
 
     @property
     def expert_params(self) -> float:
-        """E experts of 2·h·ffn per layer."""
-        return self.layers * self.experts * 2 * self.hidden * self.ffn
+        """E experts of 3·h·ffn per layer (SwiGLU: gate, up and down matrices, as in Mixtral)."""
+        return self.layers * self.experts * 3 * self.hidden * self.ffn
 
     @property
     def active_params(self) -> float:
         """Parameters one token uses: attention + top_k experts."""
-        return self.dense_params + self.layers * self.top_k * 2 * self.hidden * self.ffn
+        return self.dense_params + self.expert_params * self.top_k / self.experts
 
 
 @dataclass(frozen=True)

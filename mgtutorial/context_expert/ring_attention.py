@@ -28,7 +28,7 @@ COUNTS: Counter = Counter()
 ``backward_bytes``."""
 WORK: Counter = Counter()
 """Blocks of this process's forward: ``blocks`` computed, ``skipped`` (fully masked), ``pairs``
-(the (query, key) pairs it could not skip)."""
+(the (query, key) products it computed: rows × columns of each trimmed block, see :func:`trim`)."""
 
 
 def reset_counts() -> None:
@@ -52,13 +52,25 @@ def ring_pass(t: torch.Tensor, group, phase: str):
     return received, dist.batch_isend_irecv(ops)
 
 
+def trim(mask: torch.Tensor | None):
+    """``(rows, cols)``: the queries that see some key of a block and the keys that some query
+    sees; the rest of the block is masked and need not be computed. All of it (``slice(None)``)
+    without a mask. Under zig-zag shards this is the half block of ring-flash-attention's
+    ``zigzag_ring_flash_attn``: the first half of an earlier rank's keys, or the second half of
+    the queries against a later rank's keys."""
+    if mask is None:
+        return slice(None), slice(None)
+    return mask.any(1).nonzero().flatten(), mask.any(0).nonzero().flatten()
+
+
 def ring_forward(q, k, v, positions, causal: bool, group=None, merge_fn=merge):
     """The forward ring: ``(out, lse)`` of this rank's queries over every rank's keys.
 
     Step t computes the block that started on rank ``rank − t`` while the next block is already
-    on its way (the transfer overlaps the compute); a block the causal mask hides entirely is
-    skipped. ``merge_fn`` merges partial results (:func:`merge`; anything else is a wrong
-    answer, which is how the chapter shows that the comparison can fail).
+    on its way (the transfer overlaps the compute); only the rows and columns the causal mask
+    leaves visible are computed (:func:`trim`), a block it hides entirely is skipped.
+    ``merge_fn`` merges partial results (:func:`merge`; anything else is a wrong answer, which
+    is how the chapter shows that the comparison can fail).
     """
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     scale = q.shape[-1] ** -0.5
@@ -71,10 +83,12 @@ def ring_forward(q, k, v, positions, causal: bool, group=None, merge_fn=merge):
             nxt, works = ring_pass(kv, group, "forward")
         mask = visible(positions[rank], positions[(rank - step) % n], causal)
         if mask is None or mask.any():
-            block_out, block_lse = block_attention(q, kv[0], kv[1], mask, scale)
-            out, lse = merge_fn(out, lse, block_out, block_lse)
+            rows, cols = trim(mask)
+            kb, vb = kv[..., cols, :]
+            part = block_attention(q[..., rows, :], kb, vb, _cut(mask, rows, cols), scale)
+            out[..., rows, :], lse[..., rows] = merge_fn(out[..., rows, :], lse[..., rows], *part)
             WORK["blocks"] += 1
-            WORK["pairs"] += kv.shape[-2] * q.shape[-2] if mask is None else int(mask.sum())
+            WORK["pairs"] += part[1].shape[-1] * kb.shape[-2]
         else:
             WORK["skipped"] += 1
         if step < n - 1:
@@ -84,35 +98,49 @@ def ring_forward(q, k, v, positions, causal: bool, group=None, merge_fn=merge):
     return out, lse
 
 
+def _cut(mask, rows, cols):
+    """``mask`` restricted to the trimmed block (None stays None)."""
+    return None if mask is None else mask[rows][:, cols]
+
+
 def ring_backward(q, k, v, out, lse, dout, positions, causal: bool, group=None):
     """The backward ring: ``(dq, dk, dv)`` of this rank's shard.
 
     The key/value blocks go round as in the forward (n − 1 passes); each block's gradient
     accumulator travels with it, every rank adding what its queries contribute, and takes one
     more step home (n passes), so each rank ends with the gradient of its own keys and values.
+    The accumulator's hop overlaps the next block's gradients: it is waited for only when they
+    are ready to be added.
     """
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     scale = q.shape[-1] ** -0.5
     positions = [p.to(q.device) for p in positions]
     delta = (dout * out).sum(-1)
     dq, kv = torch.zeros_like(q), torch.stack([k, v])
-    dkv = torch.zeros_like(kv)
+    dkv, home = torch.zeros_like(kv), []
     for step in range(n):
         if step < n - 1:
             nxt, works = ring_pass(kv, group, "backward")
         mask = visible(positions[rank], positions[(rank - step) % n], causal)
+        grads = None
         if mask is None or mask.any():
-            dq_b, dk_b, dv_b = block_grads(q, kv[0], kv[1], mask, scale, lse, dout, delta)
-            dq += dq_b
-            dkv += torch.stack([dk_b, dv_b])
+            rows, cols = trim(mask)
+            kb, vb = kv[..., cols, :]
+            at = (lse[..., rows], dout[..., rows, :], delta[..., rows])
+            grads = block_grads(q[..., rows, :], kb, vb, _cut(mask, rows, cols), scale, *at)
+            dq[..., rows, :] += grads[0]
+        for w in home:  # the accumulator of this step's block, from the previous rank
+            w.wait()
+        if grads is not None:
+            dkv[..., cols, :] += torch.stack(grads[1:])
         if step < n - 1:
             for w in works:
                 w.wait()
             kv = nxt
         if n > 1:
-            dkv, works = ring_pass(dkv, group, "backward")
-            for w in works:
-                w.wait()
+            dkv, home = ring_pass(dkv, group, "backward")
+    for w in home:
+        w.wait()
     return dq, dkv[0], dkv[1]
 
 

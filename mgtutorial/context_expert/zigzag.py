@@ -53,16 +53,29 @@ def unshard(parts: list[torch.Tensor], layout: Layout, dim: int = 2) -> torch.Te
     return torch.cat(parts, dim).index_select(dim, torch.argsort(order).to(parts[0].device))
 
 
-def visible_pairs(rank: int, cp: int, seq: int, layout: Layout, causal: bool = True) -> int:
-    """(query, key) pairs rank ``rank`` must compute: each query at position p sees p + 1 keys
-    under a causal mask (all ``seq`` without), summed over the rank's queries. Proportional to
-    its attention FLOPs when masked blocks are skipped, as flash-attention kernels do."""
-    pos = positions(rank, cp, seq, layout)
-    return int((pos + 1).sum()) if causal else len(pos) * seq
+def block_work(rank: int, cp: int, seq: int, layout: Layout, causal: bool = True) -> int:
+    """(query, key) products rank ``rank`` computes in ring attention's forward, when each block
+    is trimmed to the rows and columns the causal mask leaves visible
+    (:func:`mgtutorial.context_expert.ring_attention.trim`); with c = seq / cp tokens per rank:
+
+    * no mask: cp blocks of c², on every rank;
+    * contiguous: rank r sees the blocks of ranks 0 … r, whole: ``(r + 1)·c²``;
+    * zig-zag: its own block whole, and from every other rank half a block (an earlier rank's
+      first chunk of keys, or its own second chunk of queries against a later rank's keys):
+      ``c² + (cp − 1)·c²/2`` on every rank, the same total as contiguous.
+
+    Proportional to the rank's attention FLOPs (forward and backward)."""
+    c = seq // cp
+    if not causal:
+        return cp * c * c
+    if layout == "contiguous":
+        return (rank + 1) * c * c
+    return c * c + (cp - 1) * c * c // 2
 
 
 def imbalance(cp: int, seq: int, layout: Layout) -> float:
-    """The busiest rank's causal work over the mean: 1.0 is balanced. The step waits for the
-    busiest rank, so this is the slow-down against a perfect split."""
-    work = [visible_pairs(r, cp, seq, layout) for r in range(cp)]
+    """The busiest rank's causal work (:func:`block_work`) over the mean: 1.0 is balanced. The
+    step waits for the busiest rank, so this is the slow-down against a perfect split;
+    ``2·cp / (cp + 1)`` for contiguous shards."""
+    work = [block_work(r, cp, seq, layout) for r in range(cp)]
     return max(work) * cp / sum(work)

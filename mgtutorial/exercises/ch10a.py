@@ -19,9 +19,10 @@ from mgtutorial.exercises._common import answered, attempt, passed, require
 # --- 10a.1 --------------------------------------------------------------------------------------
 
 
-def _blocks(causal: bool, seed: int):
+def _blocks(causal: bool, seed: int, size: float = 1.0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
+    q = q * size  # size 100: scores in the hundreds, past float32's exp (inf beyond 88)
     pos = torch.arange(6)
     halves = [
         block_attention(q, k[..., i, :], v[..., i, :], visible(pos, pos[i], causal), 0.5)
@@ -32,11 +33,12 @@ def _blocks(causal: bool, seed: int):
 
 def combine(fn) -> None:
     """10a.1: ``fn(o1, lse1, o2, lse2) -> (o, lse)`` merges two partial attentions of the same
-    queries over two key blocks; checked non-causal and causal (where the queries of the first
-    block see none of the second block's keys: ``lse2 = −inf`` there)."""
+    queries over two key blocks; checked non-causal, causal (where the queries of the first
+    block see none of the second block's keys: ``lse2 = −inf`` there) and with scores in the
+    hundreds (``exp(lse)`` overflows float32: the merge must stay in logs)."""
     ex = "10a.1 combine"
-    for causal in (False, True):
-        halves, want = _blocks(causal, seed=int(causal))
+    for causal, size in ((False, 1.0), (True, 1.0), (False, 100.0)):
+        halves, want = _blocks(causal, seed=int(causal), size=size)
         (o1, l1), (o2, l2) = halves
         got = attempt(ex, fn, o1.clone(), l1.clone(), o2.clone(), l2.clone())
         require(
@@ -54,7 +56,14 @@ def combine(fn) -> None:
                 "NaN; weight each block by exp(lseᵢ − lse) with lse the merged one, which is "
                 "finite",
             )
-        if not torch.allclose(torch.logaddexp(l1, l2), lse, atol=1e-5):
+        if size > 1 and not (o.isfinite().all() and lse.isfinite().all()):
+            require(
+                False,
+                ex,
+                "inf or NaN with large scores: exp(lse) overflows float32 beyond 88; never "
+                "exponentiate an lse alone, only differences (torch.logaddexp, exp(lseᵢ − lse))",
+            )
+        if not torch.allclose(torch.logaddexp(l1, l2), lse, atol=1e-5, rtol=1e-5):
             require(
                 False, ex, "lse is wrong: the merged denominator is exp(lse1) + exp(lse2), in logs"
             )
@@ -65,7 +74,7 @@ def combine(fn) -> None:
                 "o is wrong: each block's output was normalised by its own denominator; weight "
                 "it by its share of the total, exp(lseᵢ − lse)",
             )
-    passed(ex, "your merge of two blocks == softmax over all keys (non-causal and causal)")
+    passed(ex, "your merge of two blocks == softmax over all keys (non-causal, causal, large)")
 
 
 # --- 10a.2 --------------------------------------------------------------------------------------

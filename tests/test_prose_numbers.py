@@ -39,10 +39,6 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 PENDING: dict[str, set[str]] = {
     "06a_article_ddp.ipynb": {"1.1", "1.7"},
     "06b_article_model_parallel.ipynb": {"2.1", "2.2", "2048", "256"},
-    "07a_zero_memory.ipynb": {"0.1", "104", "2022"},
-    "07b_fsdp2.ipynb": {"132471", "2.10"},
-    "08_tensor_parallel.ipynb": {"1,979", "1024", "12288", "2019", "2022", "512", "989"},
-    "09b_measurement.ipynb": {"0.66"},
 }
 
 _NUMBER = re.compile(

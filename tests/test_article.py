@@ -197,3 +197,29 @@ def test_synchronised_copies_equal_one_model_on_both_batches(runs, no_leftovers,
     unsynced = launch(model_parallel_flaws.article_worker, art, 2, runs_dir=runs).wait(timeout=40)
     apart = torch.load(unsynced.run_dir / "rank0-model.pt", map_location="cpu", weights_only=True)
     assert max_abs_diff(apart, reference) > 1e-4
+
+
+def test_c10d_counting_mode_counts_collectives_and_nothing_else():
+    import torch.distributed as dist
+
+    from mgtutorial.common.compare import c10d_counting_mode
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t = torch.ones(3)
+        with c10d_counting_mode() as mode:
+            (t * 2).sum()
+            dist.all_reduce(t)
+            dist.all_reduce(t)
+        assert mode.counts == {"c10d.allreduce_": 2}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_split_step_sends_and_receives_where_the_sample_does_not(runs, no_leftovers):
+    """The positive control of 06b section 2.4: the counter sees point-to-point traffic."""
+    cfg = model_parallel_flaws.ArticleConfig(backend="gloo")
+    got = launch(model_parallel_flaws.split_step_worker, cfg, 2, runs_dir=runs).wait(timeout=100)
+    assert got.values == {r: {"c10d.send": 1, "c10d.recv_": 1} for r in (0, 1)}

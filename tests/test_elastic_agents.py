@@ -13,7 +13,17 @@ from mgtutorial.runtime import runlog, torchelastic
 from mgtutorial.runtime.launcher import free_port
 from mgtutorial.scale import elastic, hangs, torchrun
 
-TINY = ["elastic", "--dataset", "digits", "--epochs", "1", "--no-evaluate", "--resume"]
+TINY = [
+    "elastic",
+    "--dataset",
+    "digits",
+    "--epochs",
+    "1",
+    "--no-evaluate",
+    "--resume",
+    "--backend",
+    "gloo",
+]
 
 
 def test_torchrun_command_takes_an_elastic_node_range_and_rendezvous_options():

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mgtutorial.common import models
+from mgtutorial.common import compare, models
 from mgtutorial.common.config import Config
+from mgtutorial.pipeline import hand_gpipe
 from mgtutorial.pipeline.schedules import mlp_data
 from mgtutorial.runtime import env, runlog
 
@@ -80,6 +81,21 @@ def article_worker(cfg: ArticleConfig) -> dict:
             log.write(kind="article", step=step, loss=loss.item(), parameters=n, checksum=sums)
         torch.save(model.state_dict(), runlog.run_dir() / f"rank{ctx.rank}-model.pt")
         return {"parameters": n}
+
+
+def split_step_worker(cfg: ArticleConfig) -> dict[str, int]:
+    """What real model parallelism exchanges, for comparison with the sample (06b section 2.4):
+    one step of the same MLP split into stages, rank = stage (04a's naive split, by hand with one
+    micro-batch: :func:`mgtutorial.pipeline.hand_gpipe.step`), while every c10d op is counted.
+    Returns this rank's ``{op name: count}`` (on 2 ranks: one ``c10d.send`` and one
+    ``c10d.recv_`` each, the activation forward and its gradient back)."""
+    with env.distributed(cfg.backend) as ctx:
+        env.seed_everything(cfg.seed)
+        stage = models.ArticleMLP().split(ctx.world_size)[ctx.rank].to(ctx.device)
+        x, y = next(article_batches(cfg, 0))
+        with compare.c10d_counting_mode() as mode:
+            hand_gpipe.step(stage, x, y, 1, ctx)
+        return mode.counts
 
 
 def combined_batch_reference(cfg: ArticleConfig, nprocs: int = 2) -> dict:

@@ -133,6 +133,29 @@ def counting_mode():
     return CollectiveBytes()
 
 
+def c10d_counting_mode():
+    """A dispatch mode (imported on first use) that counts every ``c10d`` op by name: the
+    collectives and also the point-to-point ``c10d.send`` / ``c10d.recv_`` of model and pipeline
+    parallelism, which ``CommDebugMode`` does not count. ``mode.counts`` maps an op's name to its
+    count. Use it as ``with c10d_counting_mode() as mode:``; taught in
+    notebooks/06b_article_model_parallel.ipynb (section 2.4); follows
+    https://pytorch.org/docs/stable/notes/extending.html (``TorchDispatchMode``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class C10dOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                name = str(func.overloadpacket)
+                self.counts[name] = self.counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    return C10dOps()
+
+
 def counted(fn, *args):
     """Run ``fn(*args)`` while counting; returns (its result, {collective: count}, sizes)."""
     with counting_mode() as mode:

@@ -139,7 +139,7 @@ def test_no_command_names_a_bare_python():
 def test_make_targets_run_the_commands_they_name():
     """``make check`` is ``.venv/bin/python -m mgtutorial check``, which is therefore run once."""
     out = subprocess.run(
-        ["make", "-n", "check"],
+        ["make", "-n", "--no-print-directory", "check"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -69,8 +69,12 @@ def flaw_worker(cfg: FlawConfig) -> dict:
     """
     if cfg.flaw == "no_destroy":
         # the article's shape: init, train, return — no destroy_process_group
-        dist.init_process_group(env.resolve_backend("auto"))
-        dist.all_reduce(torch.ones(1))
+        backend = env.resolve_backend("auto")
+        device = env.device_for(backend)  # NCCL reduces only CUDA tensors: cuda:LOCAL_RANK
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend)
+        dist.all_reduce(torch.ones(1, device=device))
         return {"rank": dist.get_rank(), "initialized_at_exit": dist.is_initialized()}
     with env.distributed() as ctx:
         if cfg.flaw == "device_ids":

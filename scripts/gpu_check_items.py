@@ -998,3 +998,35 @@ def expert_parallel(w: Where) -> dict:
     expect(figures["max_diff"] < 1e-4, "expert-parallel layer != one process", figures)
     expect(figures["counted"] == figures["predicted"], "all-to-all bytes != predicted", figures)
     return figures
+
+
+@item(
+    "hang_dump_nccl",
+    chapter="05c_hangs_and_debugging",
+    min_gpus=2,
+    timeout_s=120,
+    what="faulthandler.dump_traceback_later around a hung all-reduce: on NCCL the call returns at "
+    "once and the dump shows the rank waiting in torch.cuda.synchronize (05c's hang_worker)",
+)
+def hang_dump_nccl(w: Where) -> dict:
+    from mgtutorial import WorkerFailed
+    from mgtutorial.scale import hangs
+
+    # rank 1 skips the last all-reduce and sleeps: rank 0's has no partner (no mismatched pair)
+    cfg = hangs.HangConfig(
+        timeout_s=5, skip_step=2, rank_work_s=20, backend=w.backend, dump_after_s=1
+    )
+    try:
+        run = _run(hangs.hang_worker, cfg, 2, w, timeout_s=90)
+        raise CheckFailed(f"the job did not fail: {run.values}")
+    except WorkerFailed as exc:
+        failed = {"rank": exc.rank, "exc_type": exc.exc_type, "exitcode": exc.exitcode}
+        err = Path(exc.log_path).with_name("rank0.err").read_text()
+    dump = err[err.index("Timeout (") :] if "Timeout (" in err else ""
+    waits_in = "synchronize" if w.cuda else "all_reduce"
+    figures = {"failed": failed, "dumped": bool(dump), "waits_in": waits_in}
+    expect(bool(dump), "rank 0 wrote no faulthandler dump before its timeout", figures)
+    main = next((b for b in dump.split("\n\n") if "hang_worker" in b), "")
+    figures["main_thread"] = main.splitlines()[:4]
+    expect(f"in {waits_in}" in main, f"the dump does not show rank 0 in {waits_in}", figures)
+    return figures

@@ -48,7 +48,9 @@ class HangConfig(Config):
     """The process group's backend ("auto": NCCL with a GPU per rank, else gloo)."""
     dump_after_s: float = 0.0
     """If > 0, a rank still inside an all-reduce after this many seconds writes every thread's
-    Python stack to its stderr (``faulthandler.dump_traceback_later``; 0: never)."""
+    Python stack to its stderr (``faulthandler.dump_traceback_later``; 0: never). On NCCL the
+    all-reduce returns at once, so the rank then waits in ``torch.cuda.synchronize`` before
+    cancelling: that is where a hung collective keeps the host, and what the dump shows."""
 
     def validate(self, nprocs: int) -> None:
         """Called by :func:`mgtutorial.launch` before any process starts.
@@ -96,6 +98,8 @@ def hang_worker(cfg: HangConfig) -> dict:
                 faulthandler.dump_traceback_later(cfg.dump_after_s, exit=False)
             try:
                 dist.all_reduce(torch.ones(step + 1, device=ctx.device))  # step s: s + 1 elements
+                if cfg.dump_after_s and ctx.device.type == "cuda":
+                    torch.cuda.synchronize(ctx.device)  # NCCL returned at once: the host waits here
                 faulthandler.cancel_dump_traceback_later()
             except Exception as exc:  # a timeout, a peer gone, or (DETAIL) a mismatch: say which
                 timed_out = _timed_out(exc)

@@ -773,56 +773,6 @@ def ddp_nccl_vs_one_process(w: Where) -> dict:
     return figures
 
 
-SYNC_SOLUTION = """import torch.distributed as dist
-
-
-def sync_gradients(model, ctx):
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= ctx.world_size
-"""
-"""Exercise 06b.1's solution, as the instructor edition of notebooks/06b has it."""
-
-
-@item(
-    "exercise_06b1_nccl",
-    chapter="06b_article_model_parallel",
-    min_gpus=2,
-    timeout_s=120,
-    what="exercise 06b.1's checker on its solution, backend auto (NCCL on 2 GPUs): "
-    "CUDA checkpoints, CPU reference",
-)
-def exercise_06b1_nccl(w: Where) -> dict:
-    import contextlib
-    import io
-    import os
-
-    from mgtutorial.exercises import ch06b
-
-    figures: dict = {"backend": env.resolve_backend("auto", 2)}
-    expect(
-        figures["backend"] == w.backend,
-        f"backend auto resolves to {figures['backend']}, not {w.backend}",
-        figures,
-    )
-    path = w.workdir / "ex06b_sync.py"
-    path.write_text(SYNC_SOLUTION)
-    out, here = io.StringIO(), os.getcwd()
-    os.chdir(w.workdir)  # the checker's runs go to ./runs/exercises, as from the notebook's folder
-    try:
-        with contextlib.redirect_stdout(out):
-            ch06b.copies_together(str(path))
-    finally:
-        os.chdir(here)
-    figures["checker"] = out.getvalue().strip()
-    expect(
-        figures["checker"].startswith("✓ 06b.1 copies together:"),
-        "the checker printed no pass line",
-        figures,
-    )
-    return figures
-
-
 @item(
     "sync_batchnorm",
     chapter="03c_ddp_pitfalls",

@@ -2,9 +2,9 @@
 own shuffle of the data and never exchanges a gradient, so the ranks hold N unsynchronised copies,
 not one model split over devices.
 
-Taught in notebooks/06b_article_model_parallel.ipynb (its flaws; exercise 06b.1 brings the copies
-together) and first run in notebooks/04a_pipeline_gpipe.ipynb, before the naive split of
-:mod:`mgtutorial.pipeline.naive`. Follows
+Taught in notebooks/06b_article_model_parallel.ipynb (its flaws; exercise 06b.1 predicts what
+the sample holds, sends and reduces) and first run in notebooks/04a_pipeline_gpipe.ipynb, before
+the naive split of :mod:`mgtutorial.pipeline.naive`. Follows
 https://pytorch.org/tutorials/intermediate/model_parallel_tutorial.html (what a split model is)
 and https://pytorch.org/docs/stable/notes/ddp.html (what keeps copies equal).
 """
@@ -96,17 +96,3 @@ def split_step_worker(cfg: ArticleConfig) -> dict[str, int]:
         with compare.c10d_counting_mode() as mode:
             hand_gpipe.step(stage, x, y, 1, ctx)
         return mode.counts
-
-
-def combined_batch_reference(cfg: ArticleConfig, nprocs: int = 2) -> dict:
-    """The state dict of one model trained in this process on the ``nprocs`` ranks' batches of each
-    step at once: what synchronised copies (mean gradient, equal batch sizes) must end with."""
-    env.seed_everything(cfg.seed)
-    model = models.ArticleMLP()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    for step in zip(*(article_batches(cfg, r) for r in range(nprocs))):
-        opt.zero_grad()
-        x, y = (torch.cat(t) for t in zip(*step))
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return model.state_dict()

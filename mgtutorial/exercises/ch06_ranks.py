@@ -3,7 +3,7 @@ notebooks/06b_article_model_parallel.ipynb): each worker is one of the article's
 :mod:`mgtutorial.article` re-creates it, with the learner's function where the flaw was.
 
 :mod:`mgtutorial.exercises.ch06a` and :mod:`mgtutorial.exercises.ch06b` launch them (06a.2,
-06b.1, 06b.3) and read what they logged (``runlog``) or returned. Each loads the learner's
+06b.3) and read what they logged (``runlog``) or returned. Each loads the learner's
 file in the rank with :func:`~mgtutorial.exercises._common.function_from`.
 """
 
@@ -13,12 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch import nn
-
-from mgtutorial.article import ddp_flaws, model_parallel_flaws
+from mgtutorial.article import ddp_flaws
 from mgtutorial.common.config import Config
-from mgtutorial.common.models import ArticleMLP
 from mgtutorial.exercises._common import function_from
 from mgtutorial.runtime import env, runlog
 
@@ -52,42 +48,6 @@ def loss_worker(cfg: LossExerciseConfig) -> dict:
         losses = ddp_flaws.batch_losses(ctx.rank, cfg.seed)
         reported = float(epoch_loss(losses, ctx))
         return log.write(kind="epoch_loss", losses=losses, reported=reported)
-
-
-# --- 06b.1: the copies, brought together ---------------------------------------------------------
-
-
-@dataclass(kw_only=True)
-class SyncConfig(Config):
-    """Configuration of :func:`sync_worker`."""
-
-    path: str
-    """The learner's file, defining ``sync_gradients(model, ctx)``."""
-    steps: int = 4
-    """Optimizer steps (data, seed and learning rate as
-    :class:`~mgtutorial.article.model_parallel_flaws.ArticleConfig`'s)."""
-
-
-def sync_worker(cfg: SyncConfig) -> dict:
-    """:func:`~mgtutorial.article.model_parallel_flaws.article_worker` with one line added: the
-    learner's ``sync_gradients(model, ctx)`` between ``backward()`` and the optimizer step. Logs
-    the same ``article_start``/``article`` checksums and saves ``rank<r>-model.pt``."""
-    sync_gradients = function_from(cfg.path, "sync_gradients")
-    art = model_parallel_flaws.ArticleConfig(steps=cfg.steps)
-    checksum = model_parallel_flaws.checksum
-    with env.distributed() as ctx, runlog.RunLog() as log:
-        env.seed_everything(art.seed)
-        model = ArticleMLP().to(ctx.device)
-        opt = torch.optim.SGD(model.parameters(), lr=art.lr)
-        log.write(kind="article_start", checksum=checksum(model))
-        for step, (x, y) in enumerate(model_parallel_flaws.article_batches(art, ctx.rank), 1):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device)).backward()
-            sync_gradients(model, ctx)  # the line the article lacks
-            opt.step()
-            log.write(kind="article", step=step, checksum=checksum(model))
-        torch.save(model.state_dict(), runlog.run_dir() / f"rank{ctx.rank}-model.pt")
-        return {"rank": ctx.rank}
 
 
 # --- 06b.3: the world a process group is told, on two nodes --------------------------------------

@@ -1,9 +1,9 @@
-"""Checkers of chapter 06b's exercises (notebooks/06b_article_model_parallel.ipynb): bringing the
-article's copies together, the bytes ``retain_graph=True`` keeps alive, stages whose parameters add
-up to one model, and the world size a process group is told.
+"""Checkers of chapter 06b's exercises (notebooks/06b_article_model_parallel.ipynb): what the
+article's sample holds, sends and reduces, the bytes ``retain_graph=True`` keeps alive, and the
+world size a process group is told.
 
-The rank-side checkers (06b.1, 06b.3) run the learner's file in the workers of
-:mod:`mgtutorial.exercises.ch06_ranks` and read what the ranks logged or returned.
+The rank-side checker (06b.3) runs the learner's file in the workers of
+:mod:`mgtutorial.exercises.ch06_ranks` and reads what the ranks logged or returned.
 """
 
 from __future__ import annotations
@@ -14,93 +14,131 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mgtutorial.article import model_parallel_flaws
-from mgtutorial.common.models import ArticleMLP
+from mgtutorial.common.compare import c10d_counting_mode
+from mgtutorial.common.models import ArticleMLP, count_parameters
 from mgtutorial.exercises import ch06_ranks
 from mgtutorial.exercises._common import (
     ExerciseError,
     RankFailed,
     answered,
-    close,
     function_from,
     passed,
     require,
     run_ranks,
 )
 from mgtutorial.pipeline.activations import ActivationMeter
-from mgtutorial.runtime import runlog
+from mgtutorial.runtime import env
 
-# --- 06b.1: the copies, brought together ---------------------------------------------------------
+# --- 06b.1: the sample, reviewed ------------------------------------------------------------------
+
+SIZES = (2048, 256, 10)
+"""The layer sizes of 06b.1's and 06b.2's MLP: not the article's, so that sections 2.1 and 2.3's
+numbers are no answer."""
 
 
-def copies_together(path: str = "ex06b_sync.py", steps: int = 4) -> None:
-    """06b.1: ``sync_gradients(model, ctx)`` in ``path`` runs in each rank of
-    :func:`~mgtutorial.exercises.ch06_ranks.sync_worker` between ``backward()`` and the optimizer
-    step.
+def sample_measured(sizes: tuple[int, ...] = SIZES, steps: int = 3, batch_size: int = 8) -> dict:
+    """The sample run as written with ``ArticleMLP(sizes)``: one process per sub-network, each
+    building the whole model from the same seed and training it on batches of its own for
+    ``steps`` steps, its loop under :func:`~mgtutorial.common.compare.c10d_counting_mode`. The
+    processes share nothing, so they run one after the other here. Returns ``parameters`` (all
+    processes together), ``sent`` and ``collectives`` (c10d operations of one process's step:
+    sends, every other op) and ``copies_equal`` (every process's weights equal after the
+    steps)."""
+    processes, states, counts = len(sizes) - 1, [], {}
+    for part in range(processes):
+        env.seed_everything(0)  # the same seed in every process
+        model = ArticleMLP(sizes=sizes)  # ✗ 2.1 the whole model
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(1000 + part)  # each process's own batches
+        for _ in range(steps):
+            x = torch.randn(batch_size, sizes[0], generator=g)
+            y = torch.randint(0, sizes[-1], (batch_size,), generator=g)
+            with c10d_counting_mode() as mode:
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            counts = mode.counts
+        states.append((count_parameters(model), model.state_dict()))
+    sends = sum(n for op, n in counts.items() if "send" in op)
+    return {
+        "parameters": sum(n for n, _ in states),
+        "sent": sends,
+        "collectives": sum(n for op, n in counts.items() if "send" not in op and "recv" not in op),
+        "copies_equal": all(
+            all(torch.equal(s[k], states[0][1][k]) for k in s) for _, s in states[1:]
+        ),
+    }
 
-    Verified from the records of 2 ranks: the checksums are equal at the start and after every
-    step, and the final weights equal one model trained in this process on both ranks' batches at
-    once (``torch.testing.assert_close``).
-    """
-    ex = "06b.1 copies together"
-    function_from(path, "sync_gradients", ex)
-    cfg = ch06_ranks.SyncConfig(path=str(Path(path).resolve()), steps=steps)
-    result = run_ranks(ex, ch06_ranks.sync_worker, cfg, 2, name="article-sync")
-    records = runlog.read_run(result.run_dir)
-    start = {r["rank"]: r["checksum"] for r in runlog.of_kind(records, "article_start")}
+
+def sample_reviewed(predicted: dict) -> None:
+    """06b.1: what the sample does when run as written with ``ArticleMLP(sizes=(2048, 256, 10))``
+    (two sub-networks, so two processes), for 3 steps: ``predicted["parameters"]``, the
+    parameters both processes hold together (int); ``predicted["sent"]`` and
+    ``predicted["collectives"]``, the tensors one process sends to the other and the collectives
+    it calls in one step (ints); ``predicted["copies_equal"]``, whether the two processes' weights
+    are still equal after the 3 steps (bool). The checker measures each
+    (:func:`sample_measured`)."""
+    ex = "06b.1 the sample, reviewed"
     require(
-        start[0] == start[1], ex, "the copies start from different weights: keep the seed as it is"
+        isinstance(predicted, dict),
+        ex,
+        f"`predicted` is a {type(predicted).__name__}, not a dict: make it a dict with the keys "
+        "'parameters', 'sent', 'collectives' and 'copies_equal'",
     )
-    sums = {(r["rank"], r["step"]): r["checksum"] for r in runlog.of_kind(records, "article")}
-    for step in range(1, steps + 1):
-        a, b = sums[0, step], sums[1, step]
+    guess = {k: answered(predicted.get(k), ex, f"predicted[{k!r}]") for k in _KINDS}
+    for k, kind in _KINDS.items():
         require(
-            close(a, b, rel=1e-9),
+            isinstance(guess[k], kind) and (kind is bool or not isinstance(guess[k], bool)),
             ex,
-            f"after step {step} the copies' checksums differ ({a:.6f} on rank 0, {b:.6f} on "
-            "rank 1): each copy stepped with its own gradients; all-reduce every p.grad and "
-            "divide by the world size",
+            f"predicted[{k!r}] is {guess[k]!r}: give "
+            + ("True or False" if kind is bool else "a whole number (an int)"),
         )
-    # on the CPU, whichever device the ranks trained on (NCCL saves CUDA tensors); the reference is
-    # a CPU model, so the comparison has a tolerance
-    final = torch.load(result.run_dir / "rank0-model.pt", map_location="cpu", weights_only=True)
-    art = model_parallel_flaws.ArticleConfig(steps=steps)
-    reference = model_parallel_flaws.combined_batch_reference
-    if not _close_dicts(final, reference(art, 2)):
-        if _close_dicts(final, reference(art, 1)):  # rank 0's batches alone
-            raise ExerciseError(
-                ex,
-                "the copies stay equal, but they follow rank 0's gradients alone (a broadcast?): "
-                "use the mean of both ranks' gradients, not one rank's (all-reduce, then "
-                "divide by ctx.world_size)",
-            )
+    got = sample_measured()
+    one = count_parameters(ArticleMLP(sizes=SIZES))
+    own = {count_parameters(sub) for sub in ArticleMLP(sizes=SIZES).subnets}
+    if guess["parameters"] != got["parameters"]:
+        why = {
+            one: "that is one model's parameters, as if the processes shared one model",
+            **{
+                n: "that is one sub-network's parameters, what a split would give a process"
+                for n in own
+            },
+        }.get(guess["parameters"], "it is not what the processes hold")
         raise ExerciseError(
             ex,
-            "the copies stay equal, but differ from one model trained on both ranks' "
-            "batches at once: did you divide the all-reduced gradients by ctx.world_size? "
-            "(a sum of 2 gradients is a step twice as large)",
+            f"predicted['parameters']: {why}. Read ✗ 2.1's line: what does each process build? "
+            "Count that (count_parameters) for every process the sample starts",
         )
+    require(
+        guess["sent"] == got["sent"],
+        ex,
+        "predicted['sent']: an activation forward and a gradient back is what a split MLP sends "
+        "(section 2.4's positive control); find the line of the sample's loop that would send a "
+        "tensor to the other process",
+    )
+    require(
+        guess["collectives"] == got["collectives"],
+        ex,
+        "predicted['collectives']: an all-reduce per parameter after backward() is what DDP adds "
+        "(chapter 02); which line of the sample's loop calls a collective?",
+    )
+    require(
+        guess["copies_equal"] == got["copies_equal"],
+        ex,
+        "predicted['copies_equal']: both processes start from the same seed; then what does each "
+        "train on, and what would make their steps equal? (✗ 2.1; compare with section 2.4)",
+    )
     passed(
         ex,
-        f"both copies start equal, stay equal for {steps} steps, and end equal to one model "
-        "trained on both ranks' batches",
+        f"the parameters the sample's processes hold, what one step sends and reduces, and "
+        f"whether its copies agree after 3 steps are as predicted for ArticleMLP(sizes={SIZES})",
     )
 
 
-def _close_dicts(got: dict, want: dict) -> bool:
-    """``torch.testing.assert_close`` (fp32 after a few steps, CPU or GPU) as a bool."""
-    try:
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
-        return True
-    except AssertionError:
-        return False
+_KINDS = {"parameters": int, "sent": int, "collectives": int, "copies_equal": bool}
 
 
 # --- 06b.2: what retain_graph=True keeps ---------------------------------------------------------
-
-SIZES = (2048, 256, 10)
-"""The layer sizes of 06b.2's MLP: not the article's, so that section 2.3's numbers are no
-answer."""
 
 
 def alive_after_step(retain_graph: bool, batch_size: int, sizes: tuple[int, ...] = SIZES) -> int:

@@ -112,7 +112,8 @@ class PipelineConfig(Config):
         if self.schedule == "interleaved" and m % rounds:
             raise ValueError(
                 f"interleaved runs n_microbatches={m} in max(1, m // ranks) = {rounds} rounds, "
-                f"which must divide m: use a multiple of {rounds}, or m ≤ {nprocs}."
+                f"which must divide m: use m ≤ {nprocs} or a multiple of the {nprocs} ranks "
+                f"(e.g. {-(-m // nprocs) * nprocs}: then the rounds are m / {nprocs})."
             )
         stages = nprocs * stages_per_rank(self)
         if stages > len(self.sizes) - 1:
@@ -150,9 +151,10 @@ def build_stage(cfg: PipelineConfig, stage: int, num_stages: int) -> nn.Sequenti
     """Stage ``stage`` of ``num_stages`` and nothing else, on the CPU: the whole MLP is only
     described, on the meta device (shapes, no memory); the cut is made there, and only this stage's
     sub-networks get memory (``to_empty``) and weights (:func:`init_subnets`). The meta-device
-    build follows https://pytorch.org/tutorials/intermediate/pipelining_tutorial.html, which
-    materialises on the rank's device; here the CPU's generator draws the weights (the worker then
-    moves the stage), so that every split, on any device, starts from :func:`initial_mlp`'s."""
+    build follows "splitting a model manually" in
+    https://docs.pytorch.org/docs/stable/distributed.pipelining.html, which leaves materialising
+    to you; here the CPU's generator draws the weights (the worker then moves the stage), so that
+    every split, on any device, starts from :func:`initial_mlp`'s."""
     with torch.device("meta"):
         whole = models.ArticleMLP(tuple(cfg.sizes))
     mine = whole.split(num_stages)[stage]

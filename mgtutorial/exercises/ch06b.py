@@ -261,8 +261,8 @@ def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -
             v["stage"] == rank % subnets,
             ex,
             f"rank {rank} (node {node}) runs stage {v['stage']}, but there are only {subnets} "
-            "sub-networks: node 1 runs the same three as node 0, so stage = rank % subnets, a "
-            "separate number from the rank",
+            "sub-networks: node 1 runs the same three as node 0; which stage does its first rank "
+            "run? The stage is a separate number from the rank",
         )
         peers = [r for r in range(nprocs) if r % subnets == rank % subnets]
         require(

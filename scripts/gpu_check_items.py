@@ -980,3 +980,80 @@ def hang_dump_nccl(w: Where) -> dict:
     figures["main_thread"] = main.splitlines()[:4]
     expect(f"in {waits_in}" in main, f"the dump does not show rank 0 in {waits_in}", figures)
     return figures
+
+
+@item(
+    "zero_bubble_interleaved",
+    chapter="04b_pipeline_schedules",
+    min_gpus=2,
+    timeout_s=240,
+    what="ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleInterleaved1F1B, two "
+    "stages per rank on 2 GPUs (NCCL): gradients == the unsplit model's; schedules.worker's "
+    "interleaved 1F1B over 3 steps == unsplit",
+)
+def zero_bubble_interleaved(w: Where) -> dict:
+    from mgtutorial.pipeline import zero_bubble
+
+    figures: dict = {"max_grad_diff": {}}
+    for cls in (
+        "ScheduleInterleavedZeroBubble",
+        "ScheduleZBVZeroBubble",
+        "ScheduleInterleaved1F1B",
+    ):
+        cfg = zero_bubble.ZeroBubbleConfig(schedule=cls, backend=w.backend)
+        values = _run(zero_bubble.worker, cfg, 2, w).values
+        figures["max_grad_diff"][cls] = diff = max(v["max_grad_diff"] for v in values.values())
+        expect(diff < FP32_TOL["atol"], f"{cls}: gradients differ from the unsplit model", figures)
+        actions = {a[1] for acts in values[0]["order"].values() for a in acts}
+        expect({"F"} <= actions, f"{cls}: no forward in its order", figures)
+    cfg = schedules.PipelineConfig(
+        schedule="interleaved",
+        n_microbatches=4,
+        batch_size=64,
+        steps=3,
+        sizes=[64] * 5,  # 4 stages: two per rank
+        backend=w.backend,
+    )
+    result = _run(schedules.worker, cfg, 2, w)
+    got = schedules.gather_params(result.run_dir, cfg, 2)
+    ref, _ = schedules.unsplit_reference(cfg)
+    figures["interleaved_max_param_diff"] = _max_diff(got, ref.state_dict())
+    _close(got, ref.state_dict(), "interleaved 1F1B vs unsplit", figures)
+    return figures
+
+
+@item(
+    "pp_dp_mesh",
+    chapter="04b_pipeline_schedules",
+    min_gpus=4,
+    timeout_s=240,
+    what="pipeline × data parallel on a 2 × 2 (pp, dp) mesh of 4 GPUs (NCCL): each replica == one "
+    "process; without the replicas' all-reduce they drift (04b section 6)",
+)
+def pp_dp_mesh(w: Where) -> dict:
+    from mgtutorial.common.compare import max_abs_diff
+    from mgtutorial.pipeline import pp_dp
+
+    cfg = pp_dp.PPDPConfig(
+        dp=2, schedule="1f1b", n_microbatches=2, batch_size=32, steps=3, backend=w.backend
+    )
+    ref, _ = schedules.unsplit_reference(cfg)
+    figures: dict = {}
+    for all_reduce in (True, False):
+        run_cfg = pp_dp.PPDPConfig(**{**cfg.__dict__, "all_reduce": all_reduce})
+        result = _run(pp_dp.worker, run_cfg, 4, w)
+        params = [pp_dp.replica_params(result.run_dir, run_cfg, d, 2) for d in range(2)]
+        diffs = [max_abs_diff(p, ref.state_dict()) for p in params]
+        figures[f"max_param_diff_all_reduce_{all_reduce}"] = diffs
+        figures[f"collectives_all_reduce_{all_reduce}"] = result.values[0]["collectives"]
+    expect(
+        max(figures["max_param_diff_all_reduce_True"]) < FP32_TOL["atol"],
+        "a replica differs from one process",
+        figures,
+    )
+    expect(
+        min(figures["max_param_diff_all_reduce_False"]) > 1e-4,
+        "without the all-reduce the replicas still equal one process: the check cannot fail",
+        figures,
+    )
+    return figures

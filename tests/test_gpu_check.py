@@ -81,7 +81,7 @@ def test_select_by_gpu_count_and_names():
 
 def test_registry_covers_one_and_two_gpu_items():
     names = list(ITEMS)
-    assert len(names) == len(set(names)) == 16
+    assert len(names) == len(set(names)) == 18
     assert {
         "nccl_world_size_1",
         "ddp_cuda0_vs_cpu",
@@ -91,7 +91,7 @@ def test_registry_covers_one_and_two_gpu_items():
         "nccl_async",
     } == {n for n, it in ITEMS.items() if it.min_gpus == 1}
     assert all(
-        it.min_gpus in (1, 2) and it.timeout_s > 0 and it.chapter and it.what
+        it.min_gpus in (1, 2, 4) and it.timeout_s > 0 and it.chapter and it.what
         for it in ITEMS.values()
     )
     # one-GPU items first, so a short window on a small machine is spent on what it can run

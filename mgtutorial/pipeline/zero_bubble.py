@@ -36,6 +36,8 @@ class ZeroBubbleConfig(Config):
     """Micro-batches per step (m)."""
     sizes: list[int] = field(default_factory=lambda: [16] * 5)
     """Layer widths of the MLP: four sub-networks, one per stage."""
+    backend: env.BackendChoice = "auto"
+    """The process group's backend ("auto": NCCL with a GPU per rank, else gloo)."""
 
 
 def stage_ids(schedule: str, rank: int, world_size: int) -> list[int]:
@@ -53,25 +55,26 @@ def worker(cfg: ZeroBubbleConfig) -> dict:
     unsplit model on the same batch}."""
     from torch.distributed import pipelining
 
-    with env.distributed("gloo", 60) as ctx:
+    with env.distributed(cfg.backend, 60) as ctx:
         p, r = ctx.world_size, ctx.rank
         pc = schedules.PipelineConfig(
             sizes=cfg.sizes, batch_size=4 * cfg.n_microbatches, n_microbatches=cfg.n_microbatches
         )
         ids = stage_ids(cfg.schedule, r, p)
-        mods = [schedules.build_stage(pc, i, 2 * p) for i in ids]
+        mods = [schedules.build_stage(pc, i, 2 * p).to(ctx.device) for i in ids]
         stages = [pipelining.PipelineStage(mod, i, 2 * p, ctx.device) for mod, i in zip(mods, ids)]
         schedule = getattr(pipelining, cfg.schedule)(
             stages, cfg.n_microbatches, loss_fn=nn.functional.cross_entropy
         )
         x, y = next(schedules.batches(pc))
         first, last = 0 in ids, 2 * p - 1 in ids  # whether this rank feeds inputs or targets
-        schedule.step(*((x,) if first else ()), **({"target": y} if last else {}))
-        model = schedules.initial_mlp(pc)  # the unsplit model, the same batch
+        inputs = (x.to(ctx.device),) if first else ()
+        schedule.step(*inputs, **({"target": y.to(ctx.device)} if last else {}))
+        model = schedules.initial_mlp(pc)  # the unsplit model, the same batch, on the CPU
         nn.functional.cross_entropy(model(x), y).backward()
         ref = model.split(2 * p)
         diff = max(
-            (a.grad - b.grad).abs().max().item()
+            (a.grad.cpu() - b.grad).abs().max().item()
             for mod, i in zip(mods, ids)
             for a, b in zip(mod.parameters(), ref[i].parameters())
         )

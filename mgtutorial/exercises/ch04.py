@@ -87,7 +87,7 @@ def _stage_bytes(cfg: schedules.PipelineConfig, stage: int) -> tuple[int, int]:
     """(bytes held once per step, bytes per micro-batch held) of ``stage`` of a 2-stage pipeline of
     ``sizes=[w] * 5``: stage 0 keeps the input batch and two ReLU outputs per micro-batch; stage 1
     the int64 targets and, per micro-batch, its input, one ReLU output, the log-softmax output and
-    ``nll_loss``'s 4-byte total weight (notebook section 5)."""
+    ``nll_loss``'s 4-byte total weight (04b section 3)."""
     w, rows = cfg.sizes[0], cfg.batch_size // cfg.n_microbatches
     if stage == 0:
         return cfg.batch_size * w * 4, rows * 2 * w * 4

@@ -1,6 +1,6 @@
 """Activation memory: the bytes autograd keeps alive for backward, measured with saved-tensor hooks.
 
-Taught in notebooks/04b_pipeline_schedules.ipynb (GPipe against 1F1B, section 5) and used by
+Taught in notebooks/04b_pipeline_schedules.ipynb (GPipe against 1F1B, section 3) and used by
 notebooks/06b_article_model_parallel.ipynb (what ``retain_graph=True`` keeps alive). Built on
 ``torch.autograd.graph.saved_tensors_hooks``
 (https://pytorch.org/docs/stable/autograd.html#saved-tensors-hooks).

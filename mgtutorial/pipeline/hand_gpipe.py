@@ -1,6 +1,6 @@
 """GPipe by hand: one step of a pipeline written with point-to-point ``dist.send``/``dist.recv``.
 
-Taught in notebooks/04a_pipeline_gpipe.ipynb (section 2, before the library's schedules of
+Taught in notebooks/04a_pipeline_gpipe.ipynb (section 3a, before the library's schedules of
 :mod:`mgtutorial.pipeline.schedules`, whose worker runs it for ``schedule="hand-gpipe"``). Follows
 the GPipe schedule (Huang et al., 2019) and
 https://pytorch.org/docs/stable/distributed.html#point-to-point-communication.

@@ -1,6 +1,6 @@
 """The hand-off alone: what it costs to pass one micro-batch's activation to the next stage.
 
-Taught in notebooks/04z_appendix_delays.ipynb (section 4: the delay between boxes that the bubble
+Taught in notebooks/04z_appendix_delays.ipynb (section 2: the delay between boxes that the bubble
 formula does not see, held against the hand-off's floor). Uses ``dist.send``/``dist.recv``
 (https://pytorch.org/docs/stable/distributed.html#point-to-point-communication), as a pipeline
 does per micro-batch.

@@ -1,7 +1,7 @@
 """Model parallelism without a pipeline: the naive split of one model over two devices, in one
 process, one stage busy at a time.
 
-Taught in notebooks/04a_pipeline_gpipe.ipynb (section 1) and shown again in
+Taught in notebooks/04a_pipeline_gpipe.ipynb (section 2) and shown again in
 notebooks/06b_article_model_parallel.ipynb (what the article's sample should have been). Follows
 https://pytorch.org/tutorials/intermediate/model_parallel_tutorial.html. The article's own "model
 parallel" sample (N unsynchronised copies) is :mod:`mgtutorial.article.model_parallel_flaws`.

@@ -81,9 +81,9 @@ def hang_worker(cfg: HangConfig) -> dict:
     at once and the watchdog aborts the process at the timeout: no Python error is raised here.
 
     Collectives are matched by order, not by step: rank 1's step-2 call (3 elements) pairs with
-    rank 0's step-1 call (2 elements). Such a mismatched pair is undefined behaviour: gloo may pair
-    them silently (as it does here, in torch 2.14) or hang; then both ranks wait for data that
-    never comes, and the first to reach its timeout fails. With ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+    rank 0's step-1 call (2 elements). Such a mismatched pair is undefined behaviour: on gloo (torch
+    2.14) rank 0's half returns unchecked, rank 1's waits for data that never comes, and so does
+    rank 0's next; the first to reach its timeout fails. With ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
     the mismatch is caught at that very call. Logs ``kind="collective_start"`` before each
     all-reduce (so a debugger knows where each rank is). If the skipping rank gets past its
     collectives, it does ``rank_work_s`` of work of its own before leaving. Returns ``{"steps"}``.

@@ -71,7 +71,7 @@ def sample_measured(sizes: tuple[int, ...] = SIZES, steps: int = 3, batch_size: 
 
 
 def sample_reviewed(predicted: dict) -> None:
-    """06b.1: what the sample does when run as written with ``ArticleMLP(sizes=(2048, 256, 10))``
+    """06b.1: what the sample's loop does (✗ 2.2 fixed) with ``ArticleMLP(sizes=(2048, 256, 10))``
     (two sub-networks, so two processes), for 3 steps: ``predicted["parameters"]``, the
     parameters both processes hold together (int); ``predicted["sent"]`` and
     ``predicted["collectives"]``, the tensors one process sends to the other and the collectives

@@ -3,6 +3,7 @@ failures."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import typing
@@ -392,6 +393,21 @@ def test_split_checker_refuses_each_wrong_split_with_its_hint():
     for hint, stages in wrong.items():
         with pytest.raises(ExerciseError, match=hint):
             check_split("ex", "f", mlp, stages, 2)
+    # 04b.2's last case: the most even split is not the one with the smallest largest stage
+    mlp = models.ArticleMLP((16, 16, 64, 128, 32, 128))
+    sizes = [models.count_parameters(s) for s in mlp.subnets]
+    sub = mlp.subnets
+    splits = {
+        cuts: [sum(sizes[a:b]) for a, b in zip((0, *cuts), (*cuts, 5))]
+        for cuts in itertools.combinations(range(1, 5), 2)
+    }
+    even = min(splits, key=lambda c: max(splits[c]) - min(splits[c]))
+    best = min(max(v) for v in splits.values())
+    assert max(splits[even]) > best  # the case the exercise sets up
+    stages = [nn.Sequential(*sub[a:b]) for a, b in zip((0, *even), (*even, 5))]
+    with pytest.raises(ExerciseError, match="most even split") as err:
+        check_split("ex", "f", mlp, stages, 3)
+    assert f"{best:,}" not in str(err.value) and str(best) not in str(err.value)
 
 
 def test_build_stage_builds_only_its_stage_with_the_whole_models_weights():

@@ -92,11 +92,22 @@ def check_split(
         f"{where}: the stages applied in order do not compute the model's output: keep the "
         "sub-networks in order, each exactly once",
     )
-    best = smallest_largest_stage([count_parameters(sn) for sn in model.subnets], k)
-    require(
-        max(counts) == best,
+    sizes = [count_parameters(sn) for sn in model.subnets]
+    if max(counts) == smallest_largest_stage(sizes, k):
+        return
+    splits = [
+        [sum(sizes[a:b]) for a, b in zip((0, *cuts), (*cuts, len(sizes)))]
+        for cuts in itertools.combinations(range(1, len(sizes)), k - 1)
+    ]
+    most_even = min(max(c) - min(c) for c in splits)
+    why = (
+        "yours is the most even split (the smallest largest − smallest), but the step waits for "
+        "the largest stage alone"
+        if max(counts) - min(counts) == most_even
+        else "balance the parameters, not the number of sub-networks"
+    )
+    raise ExerciseError(
         ex,
-        f"{where}: the largest stage holds {max(counts):,} parameters, but a split whose largest "
-        f"stage holds {best:,} exists (yours: {counts}): balance the parameters, not the number "
-        "of sub-networks; choose the cuts that make the largest stage smallest",
+        f"{where}: a split with a smaller largest stage exists (yours: {counts}): {why}; choose "
+        "the cuts that make the largest stage smallest",
     )

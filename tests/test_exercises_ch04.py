@@ -79,3 +79,12 @@ def test_lay_out_is_the_ideal_step_and_refuses_a_deadlock():
     assert [held_at_peak(o) for o in orders] == [4, 3, 2, 1]
     with pytest.raises(RuntimeError, match="deadlock"):
         bubble.lay_out([[("forward", 0), ("backward", 0)], [("backward", 0), ("forward", 0)]])
+
+
+def test_bubble_rounded_answer_gets_the_precision_hint_not_the_concept_one():
+    rounded = {(4, 8, 1): 0.27, (4, 8, 2): 0.16, (8, 16, 1): 0.30}
+    with pytest.raises(ExerciseError, match="close but not exact") as err:
+        ch04.bubble(rounded, 4)
+    assert "0.2727" not in str(err.value) and "3 / 11" not in str(err.value)
+    with pytest.raises(ExerciseError, match="fraction of the whole step"):
+        ch04.bubble({(4, 8, 1): 3 / 8, (4, 8, 2): 3 / 19, (8, 16, 1): 7 / 23}, 4)

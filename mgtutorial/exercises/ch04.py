@@ -48,6 +48,12 @@ def bubble(predicted: dict, smallest_m) -> None:
                     f"matches the formula ({truth}): the checker is broken",
                 )
         require(
+            close(guess, truth, rel=1e-3, abs_=1e-3) or not close(guess, truth, abs_=0.01),
+            ex,
+            f"for p={p}, m={m}, v={v} your {guess!r} is close but not exact: give the fraction "
+            "itself (e.g. as a quotient, 3 / 7) or at least 3 decimals",
+        )
+        require(
             close(guess, truth, rel=1e-3, abs_=1e-3),
             ex,
             f"for p={p}, m={m}, v={v} you predicted {guess!r}, which is not the ideal idle "

@@ -19,7 +19,7 @@ from torch import nn
 from mgtutorial.common import compare, models
 from mgtutorial.common.config import Config
 from mgtutorial.pipeline import hand_gpipe
-from mgtutorial.pipeline.schedules import mlp_data
+from mgtutorial.pipeline.schedules import PipelineConfig, build_stage, mlp_data
 from mgtutorial.runtime import env, runlog
 
 
@@ -91,7 +91,8 @@ def split_step_worker(cfg: ArticleConfig) -> dict[str, int]:
     ``c10d.recv_`` each, the activation forward and its gradient back)."""
     with env.distributed(cfg.backend) as ctx:
         env.seed_everything(cfg.seed)
-        stage = models.ArticleMLP().split(ctx.world_size)[ctx.rank].to(ctx.device)
+        # only this rank's stage is built (04a's meta-device recipe)
+        stage = build_stage(PipelineConfig(), ctx.rank, ctx.world_size).to(ctx.device)
         x, y = next(article_batches(cfg, 0))
         with compare.c10d_counting_mode() as mode:
             hand_gpipe.step(stage, x, y, 1, ctx)

@@ -37,7 +37,7 @@ numbers are no answer."""
 
 
 def sample_measured(sizes: tuple[int, ...] = SIZES, steps: int = 3, batch_size: int = 8) -> dict:
-    """The sample run as written with ``ArticleMLP(sizes)``: one process per sub-network, each
+    """The sample's loop (✗ 2.2 fixed) with ``ArticleMLP(sizes)``: one process per sub-network, each
     building the whole model from the same seed and training it on batches of its own for
     ``steps`` steps, its loop under :func:`~mgtutorial.common.compare.c10d_counting_mode`. The
     processes share nothing, so they run one after the other here. Returns ``parameters`` (all

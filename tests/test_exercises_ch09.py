@@ -40,3 +40,38 @@ def test_crossover_hints_name_the_mistake_not_the_factor(ring, share, hint):
 def test_crossover_solution_passes(capsys):
     ch09.crossover(_ratio(True, True), {"dgx_h100": 16, "one_port": 12})
     assert "from tp = 16 on DGX H100 nodes and 12 with one port" in capsys.readouterr().out
+
+
+RUN = ([1618216], [2600, 256, 1605632, 9600, 128])  # steps 1 and 2 of the 2-rank run (bytes)
+CAP = 104  # bucket_cap_mb=0.0001 in bytes
+
+
+@pytest.fixture
+def ddp_run(monkeypatch):
+    """09b.2's real run replaced by the buckets it reports (a real run: the notebook's cell)."""
+    from mgtutorial.exercises import ch09_buckets
+
+    monkeypatch.setattr(ch09_buckets, "_ddp_buckets", lambda: ([RUN[0][0]], RUN[1]))
+
+
+@pytest.mark.parametrize(
+    "predicted, hint",
+    [
+        (RUN[1][::-1], "right buckets in reverse order: DDP fills buckets in reverse registration"),
+        ([256, 2600, 1605632, 9600, 128], "the right buckets in the wrong order"),
+        ([9600, 128, 1605632, 256, 2560, 40], "in forward order"),
+        (RUN[0], "one bucket is DDP's first step"),
+    ],
+)
+def test_buckets_checks_the_order(ddp_run, predicted, hint):
+    with pytest.raises(ExerciseError, match="^09b.2 buckets: ") as err:
+        ch09.buckets(CAP, predicted)
+    assert hint in err.value.hint
+
+
+def test_buckets_says_as_predicted_only_for_the_runs_order(ddp_run, capsys):
+    ch09.buckets(CAP, RUN[1])
+    assert "[2600, 256, 1605632, 9600, 128] bytes, as predicted" in capsys.readouterr().out
+    ch09.buckets(CAP, [2600, 256, 1605632, 128, 9600])  # conv1's bias before its weight
+    out = capsys.readouterr().out
+    assert "as predicted" not in out and "weight and bias the other way round" in out

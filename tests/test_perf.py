@@ -199,6 +199,13 @@ def test_closed_forms_agree_with_predict_step():
     assert tp["exposed"] / tp["compute"] == pytest.approx(ratio)
 
 
+def test_matmul_peak_is_a_median_at_the_size_that_saturates():
+    mp = timing.matmul_peak(sizes=(16, 32, 64), repeats=9)
+    assert mp["n"] == max(mp["by_size"], key=mp["by_size"].get)  # the best median of 5 calls
+    q1, q3 = mp["quartiles"]
+    assert q1 <= mp["flops"] <= q3 <= mp["best"]  # the median of 9 lies between its quartiles
+
+
 def test_lockstep_time_waits_for_the_slowest_rank():
     # step by step the slower of the two ranks: [3, 4, 5] → median 4 (each rank's median is 2 or 3)
     assert scaling.lockstep_time([[1.0, 4.0, 2.0], [3.0, 2.0, 5.0]]) == 4.0

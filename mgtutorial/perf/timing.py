@@ -111,14 +111,25 @@ def matmul_flops(n: int = 256, repeats: int = 5, threads: int = 1) -> dict:
     return {"flops": work / statistics.median(times), "best": work / min(times), "times": times}
 
 
-def matmul_peak(sizes=(256, 512, 1024, 2048), repeats: int = 7, threads: int = 1) -> dict:
-    """The highest FLOP/s measured by :func:`matmul_flops` over square ``sizes``, each the
-    fastest of ``repeats`` calls: the best rate this machine showed, a measured reference for MFU
-    (not a hardware bound; compare it with a workload timed the same way, fastest of as many
-    calls). Returns ``{"flops": that rate, "n": its size, "by_size": {n: fastest FLOP/s}}``."""
-    by_size = {n: matmul_flops(n, repeats, threads)["best"] for n in sizes}
+def matmul_peak(sizes=(128, 256, 512, 1024), repeats: int = 21, threads: int = 1) -> dict:
+    """A measured reference rate for MFU (not a hardware bound): the median FLOP/s of ``repeats``
+    calls of :func:`matmul_flops` at the size that saturates, the one of ``sizes`` whose median of
+    5 calls is highest (larger ones no longer pay off per-call overheads, or leave the cache).
+    Compare it with a workload timed the same way (median of its calls). Returns ``{"flops": that
+    median, "n": its size, "by_size": {n: median FLOP/s of 5 calls}, "quartiles": (q1, q3)
+    FLOP/s of the ``repeats`` calls, "best": the fastest call's FLOP/s}``."""
+    by_size = {n: matmul_flops(n, 5, threads)["flops"] for n in sizes}
     n = max(by_size, key=by_size.get)
-    return {"flops": by_size[n], "n": n, "by_size": by_size}
+    run = matmul_flops(n, repeats, threads)
+    rates = sorted(2 * n**3 / t for t in run["times"])
+    q1, _, q3 = statistics.quantiles(rates, n=4)
+    return {
+        "flops": run["flops"],
+        "n": n,
+        "by_size": by_size,
+        "quartiles": (q1, q3),
+        "best": run["best"],
+    }
 
 
 def event_kind(name: str) -> str:

@@ -32,14 +32,29 @@ def _ratio(ring: bool, share: bool):
 )
 def test_crossover_hints_name_the_mistake_not_the_factor(ring, share, hint):
     with pytest.raises(ExerciseError, match="^09b.3 crossover: ") as err:
-        ch09.crossover(_ratio(ring, share), {"dgx_h100": 16, "one_port": 12})
+        ch09.crossover(_ratio(ring, share), {"dgx_h100": 8, "one_port": 8})
     assert hint in err.value.hint and "2(n − 1)" not in err.value.hint
     assert "1/tp" not in err.value.hint
 
 
 def test_crossover_solution_passes(capsys):
-    ch09.crossover(_ratio(True, True), {"dgx_h100": 16, "one_port": 12})
-    assert "from tp = 16 on DGX H100 nodes and 12 with one port" in capsys.readouterr().out
+    ch09.crossover(_ratio(True, True), {"dgx_h100": 8, "one_port": 8})
+    out = capsys.readouterr().out
+    assert "up to tp = 8 on DGX H100 nodes and 8 with one port per node" in out
+    assert "at tp = 12 the ratio is 0.74 and 5.9" in out
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        ({"dgx_h100": 12, "one_port": 8}, "ratio = 0.738 > 0.5"),
+        ({"dgx_h100": 4, "one_port": 8}, "a larger divisor of 96 still has ratio ≤ 0.5"),
+        ({"dgx_h100": 10, "one_port": 8}, "does not divide the 96 heads"),
+    ],
+)
+def test_crossover_hints_for_the_degree(answer, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch09.crossover(_ratio(True, True), answer)
 
 
 RUN = ([1618216], [2600, 256, 1605632, 9600, 128])  # steps 1 and 2 of the 2-rank run (bytes)

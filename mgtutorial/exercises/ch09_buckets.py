@@ -56,10 +56,11 @@ def _layouts(cap_bytes: int, backward: bool = True) -> list[list[int]]:
 def buckets(cap_bytes: int, predicted=...) -> None:
     """09b.2: ``cap_bytes`` (``bucket_cap_mb=0.0001`` in bytes, as DDP rounds it) and ``predicted``
     (list of ints), the bytes of each bucket DDP all-reduces per step for ``models.ArticleCNN()``
-    once it has rebuilt its buckets, in the order DDP all-reduces them (reverse registration
-    order). Compared with step 2 of a real 2-rank DDP run; the weight and bias of a layer may come
-    in either order (the pass line says when they differ from the run's), the buckets may not: a
-    list in reverse or in another order gets its own hint."""
+    once it has rebuilt its buckets, in the order DDP all-reduces them (the arrival order of
+    step 1, about reverse registration order). Compared with step 2 of a real 2-rank DDP run;
+    the weight and bias of a layer may come in either order (the pass line says when they differ
+    from the run's), the buckets may not: a list in reverse or in another order gets its own
+    hint."""
     ex = "09b.2 buckets"
     require(
         cap_bytes == int(CAP_MB * 1024 * 1024),
@@ -100,9 +101,10 @@ def buckets(cap_bytes: int, predicted=...) -> None:
         require(
             guess[::-1] not in layouts,
             ex,
-            "these are the right buckets in reverse order: DDP fills buckets in reverse "
-            "registration order, reversed(parameters()), as backward produces the gradients, "
-            "and all-reduces each as it fills: the first holds fc2's",
+            "these are the right buckets in reverse order: DDP fills buckets in the order "
+            "backward produced the gradients (recorded in step 1; reverse registration order, "
+            "reversed(parameters()), approximates it) and all-reduces each as it fills: the "
+            "first holds fc2's",
         )
         require(
             guess not in _layouts(cap_bytes, backward=False),
@@ -114,7 +116,8 @@ def buckets(cap_bytes: int, predicted=...) -> None:
             not any(sorted(guess) == sorted(b) for b in layouts),
             ex,
             "the right buckets in the wrong order: list them in the order DDP all-reduces "
-            "them, the order they fill (reverse registration order: fc2's first)",
+            "them, the order they fill, which is the order backward produces the gradients "
+            "(about reverse registration order: fc2's first)",
         )
         require(
             near is not None,
@@ -133,7 +136,7 @@ def buckets(cap_bytes: int, predicted=...) -> None:
     note = (
         "the same"
         if layout == later
-        else f"{layout}: the same, in another order (DDP's is the real arrival order)"
+        else f"{layout}: the same buckets, in another order (DDP's is the real arrival order)"
     )
     match = (
         "as predicted"

@@ -72,7 +72,7 @@ def ddp_run(monkeypatch):
 @pytest.mark.parametrize(
     "predicted, hint",
     [
-        (RUN[1][::-1], "right buckets in reverse order: DDP fills buckets in reverse registration"),
+        (RUN[1][::-1], "right buckets in reverse order: DDP fills buckets in the order backward"),
         ([256, 2600, 1605632, 9600, 128], "the right buckets in the wrong order"),
         ([9600, 128, 1605632, 256, 2560, 40], "in forward order"),
         (RUN[0], "one bucket is DDP's first step"),

@@ -10,8 +10,9 @@ https://pytorch.org/docs/stable/profiler.html.
 Timing done right: warm up first (the first calls allocate, connect and compile); a ``barrier``
 before the clock so every rank starts together; ``time.perf_counter`` (monotonic, high
 resolution); several repeats, reported as median and spread. On a GPU a collective or a kernel
-*returns before it finishes* (it is queued on a CUDA stream; NCCL runs on a stream of its own —
-chapter 03), so the clock must stop only after ``torch.cuda.synchronize()``, or use CUDA events.
+*returns before it finishes* (it is queued on a CUDA stream: a synchronous NCCL call on the
+current one, an asynchronous one, as DDP's, on the process group's own stream — chapter 03), so
+the clock must stop only after ``torch.cuda.synchronize()``, or use CUDA events.
 """
 
 from __future__ import annotations

@@ -199,7 +199,8 @@ def test_closed_forms_agree_with_predict_step():
     assert tp["exposed"] / tp["compute"] == pytest.approx(ratio)
 
 
-def test_matmul_peak_is_a_median_at_the_size_that_saturates():
+def test_matmul_peak_is_a_median_at_the_size_that_saturates(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine: still the CPU
     mp = timing.matmul_peak(sizes=(16, 32, 64), repeats=9)
     assert mp["n"] == max(mp["by_size"], key=mp["by_size"].get)  # the best median of 5 calls
     q1, q3 = mp["quartiles"]

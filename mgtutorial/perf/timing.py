@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from mgtutorial.common.compare import collective_name
-from mgtutorial.runtime import env
 
 
 def summarize(times: list[float]) -> dict:
@@ -93,14 +92,17 @@ def time_cuda_events(fn, repeats: int = 5) -> list[float]:
     return times
 
 
-def matmul_flops(n: int = 256, repeats: int = 5, threads: int = 1) -> dict:
-    """FLOP/s of an ``n×n @ n×n`` float32 matmul (2n³ FLOPs) on ``threads`` CPU threads (or the
-    GPU).
+def matmul_flops(
+    n: int = 256, repeats: int = 5, threads: int = 1, device: torch.device | None = None
+) -> dict:
+    """FLOP/s of an ``n×n @ n×n`` float32 matmul (2n³ FLOPs) on ``threads`` CPU threads, or on
+    ``device`` when given (default: the CPU, whatever GPU the machine has, since chapter 09a's
+    MFU and roofline compare it with CPU work).
 
     Returns ``{"flops": median FLOP/s, "best": the fastest call's FLOP/s, "times": [s]}``;
     restores the caller's thread count.
     """
-    device = env.device_for(env.resolve_backend("auto", 1))
+    device = device or torch.device("cpu")
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -112,16 +114,19 @@ def matmul_flops(n: int = 256, repeats: int = 5, threads: int = 1) -> dict:
     return {"flops": work / statistics.median(times), "best": work / min(times), "times": times}
 
 
-def matmul_peak(sizes=(128, 256, 512, 1024), repeats: int = 21, threads: int = 1) -> dict:
+def matmul_peak(
+    sizes=(128, 256, 512, 1024), repeats: int = 21, threads: int = 1, device=None
+) -> dict:
     """A measured reference rate for MFU (not a hardware bound): the median FLOP/s of ``repeats``
     calls of :func:`matmul_flops` at the size that saturates, the one of ``sizes`` whose median of
     5 calls is highest (larger ones no longer pay off per-call overheads, or leave the cache).
-    Compare it with a workload timed the same way (median of its calls). Returns ``{"flops": that
+    Compare it with a workload timed the same way (median of its calls), on the same ``device``
+    (default: the CPU). Returns ``{"flops": that
     median, "n": its size, "by_size": {n: median FLOP/s of 5 calls}, "quartiles": (q1, q3)
     FLOP/s of the ``repeats`` calls, "best": the fastest call's FLOP/s}``."""
-    by_size = {n: matmul_flops(n, 5, threads)["flops"] for n in sizes}
+    by_size = {n: matmul_flops(n, 5, threads, device)["flops"] for n in sizes}
     n = max(by_size, key=by_size.get)
-    run = matmul_flops(n, repeats, threads)
+    run = matmul_flops(n, repeats, threads, device)
     rates = sorted(2 * n**3 / t for t in run["times"])
     q1, _, q3 = statistics.quantiles(rates, n=4)
     return {

@@ -275,7 +275,9 @@ def step_worker(cfg: StepConfig) -> list[dict]:
 
     Returns dicts: the variant, ``world_size`` (1 unless "ddp"), ``fwd_s``, ``bwd_s``, ``opt_s``,
     ``step_s`` (medians over the timed steps), ``samples_per_s`` (this rank), ``step_times`` (s);
-    ``{**variant, "idle": True}`` where a rank waited. With ``profile``, the first "ddp" one also
+    ``{**variant, "idle": True, "idle_cpu_s"}`` where a rank waited for rank 0 to train alone
+    (from its start to its end, so that nothing else runs meanwhile; ``idle_cpu_s``: this
+    rank's CPU seconds in that wait, about 0). With ``profile``, the first "ddp" one also
     has ``trace`` (its path) and ``grad_bytes`` (per parameter, in the order backward produces
     them here, for :func:`mgtutorial.perf.costmodel.bucket_layout`).
     """
@@ -285,8 +287,10 @@ def step_worker(cfg: StepConfig) -> list[dict]:
         profiled = modes.index("ddp") if cfg.profile and "ddp" in modes else None
         for i, (variant, mode) in enumerate(zip(cfg.variants, modes)):
             if mode == "alone" and ctx.rank != 0:
-                dist.barrier()  # rank 0's start; its end is the next variant's barrier
-                out.append({**variant, "idle": True})
+                dist.barrier()  # rank 0's start
+                cpu = time.process_time()
+                dist.barrier()  # rank 0's end: nothing of the next variant is built meanwhile
+                out.append({**variant, "idle": True, "idle_cpu_s": time.process_time() - cpu})
                 continue
             own = (
                 ctx
@@ -295,4 +299,6 @@ def step_worker(cfg: StepConfig) -> list[dict]:
             )
             trace = str(runlog.run_dir() / f"trace_rank{ctx.rank}.json") if i == profiled else None
             out.append(run_variant(cfg, own, variant, trace, barrier=ctx.initialized))
+            if mode == "alone" and ctx.initialized:
+                dist.barrier()  # rank 0 has finished training alone: the others go on
         return out

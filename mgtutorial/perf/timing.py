@@ -118,13 +118,13 @@ def matmul_peak(
     sizes=(128, 256, 512, 1024), repeats: int = 21, threads: int = 1, device=None
 ) -> dict:
     """A measured reference rate for MFU (not a hardware bound): the median FLOP/s of ``repeats``
-    calls of :func:`matmul_flops` at the size that saturates, the one of ``sizes`` whose median of
-    5 calls is highest (larger ones no longer pay off per-call overheads, or leave the cache).
-    Compare it with a workload timed the same way (median of its calls), on the same ``device``
-    (default: the CPU). Returns ``{"flops": that
-    median, "n": its size, "by_size": {n: median FLOP/s of 5 calls}, "quartiles": (q1, q3)
-    FLOP/s of the ``repeats`` calls, "best": the fastest call's FLOP/s}``."""
-    by_size = {n: matmul_flops(n, 5, threads, device)["flops"] for n in sizes}
+    calls of :func:`matmul_flops` at the size that saturates, the one of ``sizes`` whose fastest
+    of 5 calls (the least disturbed by other programs: what the core can do at that size) is
+    highest; beyond it the operands leave the cache. Compare it with a workload timed the same
+    way (median of its calls), on the same ``device`` (default: the CPU). Returns ``{"flops":
+    that median, "n": its size, "by_size": {n: fastest FLOP/s of 5 calls}, "quartiles": (q1, q3)
+    FLOP/s of the ``repeats`` calls, "best": their fastest FLOP/s}``."""
+    by_size = {n: matmul_flops(n, 5, threads, device)["best"] for n in sizes}
     n = max(by_size, key=by_size.get)
     run = matmul_flops(n, repeats, threads, device)
     rates = sorted(2 * n**3 / t for t in run["times"])

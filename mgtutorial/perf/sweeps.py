@@ -271,16 +271,12 @@ def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None, barrier:
 
 
 def step_worker(cfg: StepConfig) -> list[dict]:
-    """Train each variant of ``cfg`` and return the median phase times per variant (rank's view).
-
-    Returns dicts: the variant, ``world_size`` (1 unless "ddp"), ``fwd_s``, ``bwd_s``, ``opt_s``,
-    ``step_s`` (medians over the timed steps), ``samples_per_s`` (this rank), ``step_times`` (s);
-    ``{**variant, "idle": True, "idle_cpu_s"}`` where a rank waited for rank 0 to train alone
-    (from its start to its end, so that nothing else runs meanwhile; ``idle_cpu_s``: this
-    rank's CPU seconds in that wait, about 0). With ``profile``, the first "ddp" one also
-    has ``trace`` (its path) and ``grad_bytes`` (per parameter, in the order backward produces
-    them here, for :func:`mgtutorial.perf.costmodel.bucket_layout`).
-    """
+    """Train each variant of ``cfg``; per variant (this rank's view) the variant, ``world_size``
+    (1 unless "ddp"), ``fwd_s``, ``bwd_s``, ``opt_s``, ``step_s`` (medians over the timed steps),
+    ``samples_per_s``, ``step_times`` (s); ``{**variant, "idle": True, "idle_cpu_s"}`` where a
+    rank waited from rank 0's start to its end of training alone (its CPU seconds meanwhile).
+    With ``profile``, the first "ddp" one also has ``trace`` (its path) and ``grad_bytes`` (per
+    parameter, in the order backward produces them, for ``costmodel.bucket_layout``)."""
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
         out = []
         modes = [v.get("mode", "ddp") for v in cfg.variants]

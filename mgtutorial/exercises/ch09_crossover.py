@@ -112,5 +112,6 @@ def crossover(ratio, largest_tp: dict | None = None) -> None:
         f"communication stays within half the weight matmuls' time up to tp = "
         f"{found['dgx_h100']} on DGX H100 nodes and {found['one_port']} with one port per node; "
         f"at tp = {above['dgx_h100']} the ratio is {over['dgx_h100']:.2f} and "
-        f"{over['one_port']:.1f}",
+        f"{over['one_port']:.1f} (optimistic: a group of {above['dgx_h100']} straddles two nodes "
+        "and shares the second one's ports)",
     )

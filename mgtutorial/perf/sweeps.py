@@ -194,7 +194,7 @@ class StepConfig(ddp.DDPConfig):
     warmup: int = 3
     """Steps per variant that are not counted."""
     steps: int = 10
-    """Timed steps per variant."""
+    """Steps per variant after the warm-up: steps − 1 durations (start to next start)."""
     profile: bool = False
     """Train one more step of the first "ddp" variant under ``torch.profiler`` (not timed); each
     rank writes its Chrome trace to ``<run dir>/trace_rank<r>.json``."""

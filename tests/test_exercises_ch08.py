@@ -73,39 +73,84 @@ def test_block_plan_variants(variant, tmp_path, capsys, no_leftovers, monkeypatc
         ch08.block_plan()
         assert "2 all-gathers + 2 reduce-scatters" in capsys.readouterr().out
         return
-    with pytest.raises(ExerciseError, match="^08.5 a plan for a block: ") as err:
+    with pytest.raises(ExerciseError, match="^08.4 a plan for a block: ") as err:
         ch08.block_plan()
     assert hint in err.value.hint, err.value.hint
 
 
-def _ratio(ring: bool, share: bool):
-    from mgtutorial.perf import costmodel
-    from mgtutorial.tensor_parallel import cost
-
-    def ratio(tp_degree, link_bw):
-        big = cost.comm_bytes(b=1, s=2048, h=12288, ffn=4 * 12288, tp=tp_degree)
-        comm_s = big["tp_forward"] * (2 * (tp_degree - 1) / tp_degree if ring else 1) / link_bw
-        compute_s = 2 * big["params"] * 2048 / (tp_degree if share else 1)
-        return comm_s / (compute_s / costmodel.H100.peak_flops)
-
-    return ratio
+FG = """import torch
+import torch.distributed as dist
 
 
-@pytest.mark.parametrize(
-    "ring, share, hint",
-    [
-        (False, True, "a ring all-reduce does not send the tensor once"),
-        (True, False, "does each rank compute all the matmuls"),
-        (False, False, "two things"),
-    ],
-)
-def test_crossover_hints_name_the_mistake_not_the_factor(ring, share, hint):
-    with pytest.raises(ExerciseError, match="^08.4 crossover: ") as err:
-        ch08.crossover(_ratio(ring, share), {"dgx_h100": 16, "one_port": 12})
-    assert hint in err.value.hint and "2(n − 1)" not in err.value.hint
-    assert "1/tp" not in err.value.hint
+class CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=F_GROUP)
+        F_AVERAGE
+        return grad, None
 
 
-def test_crossover_solution_passes(capsys):
-    ch08.crossover(_ratio(True, True), {"dgx_h100": 16, "one_port": 12})
-    assert "from tp = 16 on DGX H100 nodes and 12 with one port" in capsys.readouterr().out
+class ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        G_BACKWARD
+        return grad, None
+"""
+FG_VARIANTS = {  # (F_GROUP, F_AVERAGE, G_BACKWARD), the hint
+    "f_averages": (("ctx.group", "grad = grad / 2", "pass"), "did you average?"),
+    "g_backward_reduces": (
+        ("ctx.group", "pass", "grad = grad.clone(); dist.all_reduce(grad, group=ctx.group)"),
+        "ReduceFromTP's backward must be the identity",
+    ),
+    "no_group": (("None", "pass", "pass"), "did not get the group passed to apply"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", sorted(FG_VARIANTS))
+def test_f_and_g_hints_name_the_mistake(variant, tmp_path, no_leftovers):
+    (f_group, f_average, g_backward), hint = FG_VARIANTS[variant]
+    src = FG.replace("F_GROUP", f_group).replace("F_AVERAGE", f_average)
+    path = tmp_path / "ex08_fg.py"
+    path.write_text(src.replace("G_BACKWARD", g_backward))
+    with pytest.raises(ExerciseError, match="^08.2 f and g: ") as err:
+        ch08.f_and_g(str(path))
+    assert hint in err.value.hint, err.value.hint
+
+
+BIAS = """from mgtutorial.tensor_parallel.fg import CopyToTP, ReduceFromTP
+from torch.nn import functional as F
+
+
+def forward(m, x):
+    x = CopyToTP.apply(x, m.group)
+    partial = F.linear(F.gelu(F.linear(x, m.w1, m.b1)), m.w2)
+    return ReduceFromTP.apply(partial + m.b2, m.group)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_bias_before_g_hints_for_the_prediction(tmp_path, no_leftovers):
+    path = tmp_path / "ex08_bias.py"
+    path.write_text(BIAS)
+    for predicted, hint in [
+        ({"wrong": {"output", "b2"}, "bias_copies": 2}, "the ranks measured otherwise"),
+        ({"wrong": {"output"}, "bias_copies": 1}, "does not hold 1 copies of b2"),
+        ({"wrong": {"bias"}, "bias_copies": 2}, "choose among"),
+    ]:
+        with pytest.raises(ExerciseError, match="^08.3 bias before g: ") as err:
+            ch08.bias_before_g(str(path), predicted)
+        assert hint in err.value.hint, err.value.hint

@@ -199,6 +199,14 @@ def test_closed_forms_agree_with_predict_step():
     assert tp["exposed"] / tp["compute"] == pytest.approx(ratio)
 
 
+def test_matmul_peak_is_a_median_at_the_size_that_saturates(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine: still the CPU
+    mp = timing.matmul_peak(sizes=(16, 32, 64), repeats=9)
+    assert mp["n"] == max(mp["by_size"], key=mp["by_size"].get)  # the best median of 5 calls
+    q1, q3 = mp["quartiles"]
+    assert q1 <= mp["flops"] <= q3 <= mp["best"]  # the median of 9 lies between its quartiles
+
+
 def test_lockstep_time_waits_for_the_slowest_rank():
     # step by step the slower of the two ranks: [3, 4, 5] → median 4 (each rank's median is 2 or 3)
     assert scaling.lockstep_time([[1.0, 4.0, 2.0], [3.0, 2.0, 5.0]]) == 4.0
@@ -306,7 +314,13 @@ def test_sweep_and_step_workers_report_every_point(runs, no_leftovers):
     assert all(len(v["cpu_times"]) == len(v["step_times"]) for v in variants)
     assert all(0 < v["fwd_cpu_s"] and 0 < v["bwd_cpu_s"] for v in variants)
     alone = alone.wait(timeout=200).values
-    assert alone[1][0] == {"batch_size": 8, "mode": "alone", "idle": True}  # rank 1 waited
+    idle = alone[1][0]  # rank 1 waited from rank 0's start to its end, building nothing
+    assert {k: v for k, v in idle.items() if k != "idle_cpu_s"} == {
+        "batch_size": 8,
+        "mode": "alone",
+        "idle": True,
+    }
+    assert 0 <= idle["idle_cpu_s"] < sum(alone[0][0]["cpu_times"])  # less than rank 0 trained
     trained_alone = [alone[0][0], alone[0][1], alone[1][1], alone[0][2], alone[1][2]]
     assert [v["world_size"] for v in trained_alone] == [1, 1, 1, 1, 1]
     # lockstep: a barrier after every step, so the ranks' step starts stay together

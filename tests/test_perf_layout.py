@@ -34,12 +34,16 @@ def test_memory_per_gpu_by_hand():
         layout.check_layout(model, 24, 8, 3, 1, heads=4)
 
 
-def right(dp, tp, pp, recompute):
-    return ex.reference(dp, tp, pp, recompute)
+def right(dp, tp, pp, recompute, attention):
+    return ex.reference(dp, tp, pp, recompute, attention)
 
 
 def parts(v):
-    return layout.memory_per_gpu(ex.MODEL, *v, heads=ex.HEADS)
+    return layout.memory_per_gpu(ex.MODEL, *v[:4], heads=ex.HEADS, attention=v[4])
+
+
+def best():
+    return {a: ex.best_layouts(a)[0] for a in layout.ATTENTION}
 
 
 @pytest.mark.parametrize(
@@ -60,26 +64,56 @@ def parts(v):
         ),
         (lambda *v: parts(v)["total"] + parts(v)["grads"], "gradient_as_bucket_view=True"),
         (lambda *v: 1.5 * right(*v), "too large"),
+        (lambda *v: right(*v[:4], "eager"), "keeps the s×s scores with attention='sdpa'"),
+        (lambda dp, tp, pp, recompute: right(dp, tp, pp, recompute, "eager"), "TypeError"),
     ],
 )
 def test_layout_checker_names_the_classic_mistakes(wrong, hint):
-    best = ex.best_layouts()[0]
     with pytest.raises(ExerciseError, match=hint) as err:
-        ex.layout_choice(wrong, best)
-    assert f"{right(*best) / 1e9:.1f}" not in str(err.value)
+        ex.layout_choice(wrong, best())
+    for a, v in best().items():
+        assert f"{right(*v, a) / 1e9:.1f}" not in str(err.value)
 
 
 def test_layout_checker_wants_a_fitting_layout_with_fewest_gpus_per_replica(capsys):
-    best = ex.best_layouts()
-    assert all(v[1] * v[2] == 8 and v[3] == "selective" for v in best)  # by the model
-    with pytest.raises(ExerciseError, match="needs more than 80 GB"):
-        ex.layout_choice(right, (64, 1, 1, "none"))
-    with pytest.raises(ExerciseError, match="fewer GPUs per replica"):
-        ex.layout_choice(right, (4, 8, 2, "full"))
-    with pytest.raises(ExerciseError, match="cannot run"):
-        ex.layout_choice(right, (8, 16, 1, "none"))
-    ex.layout_choice(right, best[0])
+    eager, sdpa = ex.best_layouts("eager"), ex.best_layouts("sdpa")
+    assert all(v[1] * v[2] == 8 and v[3] == "selective" for v in eager)  # by the model
+    assert [v[:3] for v in sdpa] == [v[:3] for v in eager]  # the same replicas ...
+    assert all(v[3] == "none" for v in sdpa)  # ... without recomputation: no s² scores kept
+    for wrong, hint in [
+        ((64, 1, 1, "none"), "needs more than 80 GB"),
+        ((4, 8, 2, "full"), "fewer GPUs per replica"),
+        ((8, 16, 1, "none"), "cannot run"),
+    ]:
+        with pytest.raises(ExerciseError, match=hint):
+            ex.layout_choice(right, {"eager": wrong, "sdpa": sdpa[0]})
+    with pytest.raises(ExerciseError, match='chosen\\["sdpa"\\].*no s×s scores are kept'):
+        ex.layout_choice(right, {"eager": eager[0], "sdpa": eager[0]})  # the eager answer
+    with pytest.raises(ExerciseError, match="a dict"):
+        ex.layout_choice(right, eager[0])
+    ex.layout_choice(right, {"eager": eager[0], "sdpa": sdpa[0]})
     assert capsys.readouterr().out.startswith("✓ 09a.4 layout")
+
+
+def test_sdpa_drops_the_scores_term_only():
+    model = scaling.Transformer(layers=2, hidden=64, seq=32)
+    eager = layout.activation_bytes(model, 1, 2, "none", heads=4)
+    sdpa = layout.activation_bytes(model, 1, 2, "none", heads=4, attention="sdpa")
+    sel = layout.activation_bytes(model, 1, 2, "selective", heads=4)
+    assert eager - sel == 32 * 5 * 4 * 32 / 2  # s·5·a·s/t: the s×s probabilities, mask, dropout
+    assert sdpa - sel == 32 * 4 * 4 / 2  # s·4·a/t: one fp32 logsumexp per row and head
+    with pytest.raises(ValueError, match="attention='flash'"):
+        layout.activation_bytes(model, 1, 1, "none", heads=4, attention="flash")
+
+
+def test_attention_saved_bytes_grow_with_s_squared_only_when_eager():
+    from mgtutorial.sharding import recompute
+
+    small, large = recompute.attention_saved_bytes(64), recompute.attention_saved_bytes(128)
+    assert small["eager"] == 4 * 64 * 64 * 4  # (1, 4, s, s) float32 probabilities
+    assert large["eager"] == 4 * small["eager"]
+    assert small["sdpa"] == 4 * 64 * 16 * 4 + 4 * 64 * 4  # output + logsumexp
+    assert large["sdpa"] == 2 * small["sdpa"]
 
 
 def test_roofline_arithmetic_by_hand():

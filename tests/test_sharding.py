@@ -264,6 +264,10 @@ def test_accumulation_and_hsdp_count_their_collectives_and_equal_one_process(fou
         # 2 micro-batches: a reduce-scatter per unit per micro-batch, or only in the last one
         assert p["sync_each"]["counts"]["reduce_scatter"] == 2 * units
         assert p["sync_last"]["counts"]["reduce_scatter"] == units
+        # forward + backward all-gather every unit per micro-batch, unless the first backward
+        # keeps them gathered (set_reshard_after_backward(False)): the second forward gathers none
+        assert p["sync_last"]["counts"]["all_gather"] == 2 * 2 * units
+        assert p["keep_gathered"]["counts"] == {"all_gather": 3 * units, "reduce_scatter": units}
         # HSDP: gathers and reduce-scatters inside a replica, one all-reduce per unit across
         assert p["hsdp"]["counts"] == {
             "all_gather": units + units - 1,  # the root stays gathered for backward
@@ -271,7 +275,7 @@ def test_accumulation_and_hsdp_count_their_collectives_and_equal_one_process(fou
             "all_reduce": units,
         }
         assert p["hsdp"]["placements"] == "(Replicate(), Shard(dim=0))"
-        for name in ("sync_each", "sync_last", "hsdp"):
+        for name in ("sync_each", "sync_last", "keep_gathered", "hsdp"):
             assert p[name]["max_diff"] < 1e-5, name
         # without explicit prefetch a block's forward starts before the next block's all-gather;
         # with it, the next all-gather is issued first (inside the previous block's pre-forward)

@@ -2,10 +2,12 @@
 timing function that is right on a GPU (09a.2, in :mod:`mgtutorial.exercises.ch09_timing`) and the
 explorer's question (09a.3), a layout that fits a memory budget (09a.4, in
 :mod:`mgtutorial.exercises.ch09_layout`); in notebooks/09b_measurement.ipynb the exposed all-reduce
-of a DDP step (09b.1) and DDP's buckets for a tiny cap (09b.2, in
-:mod:`mgtutorial.exercises.ch09_buckets`); all six are reached as ``ex.ch09.<checker>``.
+of a DDP step (09b.1), DDP's buckets for a tiny cap (09b.2, in
+:mod:`mgtutorial.exercises.ch09_buckets`) and the TP degree at which communication outgrows compute
+(09b.3, in :mod:`mgtutorial.exercises.ch09_crossover`); all seven are reached as
+``ex.ch09.<checker>``.
 
-Nothing here asserts on a measured duration: 09a.1, 09a.3 and 09b.1 compare with
+Nothing here asserts on a measured duration: 09a.1, 09a.3, 09b.1 and 09b.3 compare with
 :mod:`mgtutorial.perf.costmodel` and :mod:`mgtutorial.perf.scaling`, 09b.2 with the buckets a real
 DDP run reports; 09a.2 runs the learner's timing function against a simulated device with a fake
 clock, whose every call is recorded.
@@ -17,6 +19,7 @@ import dataclasses
 
 from mgtutorial.exercises._common import answered, attempt, close, passed, require
 from mgtutorial.exercises.ch09_buckets import CAP_MB, buckets
+from mgtutorial.exercises.ch09_crossover import LINKS, N_HEADS, crossover
 from mgtutorial.exercises.ch09_layout import layout_choice
 from mgtutorial.exercises.ch09_timing import FakeDevice, timing
 from mgtutorial.perf import costmodel, scaling
@@ -24,12 +27,15 @@ from mgtutorial.perf import costmodel, scaling
 __all__ = [
     "BUCKETS",
     "CAP_MB",
+    "LINKS",
+    "N_HEADS",
     "READY",
     "STEP",
     "WHY",
     "FakeDevice",
     "buckets",
     "busbw",
+    "crossover",
     "explorer",
     "explorer_efficiency",
     "exposed",

@@ -56,8 +56,11 @@ def _layouts(cap_bytes: int, backward: bool = True) -> list[list[int]]:
 def buckets(cap_bytes: int, predicted=...) -> None:
     """09b.2: ``cap_bytes`` (``bucket_cap_mb=0.0001`` in bytes, as DDP rounds it) and ``predicted``
     (list of ints), the bytes of each bucket DDP all-reduces per step for ``models.ArticleCNN()``
-    once it has rebuilt its buckets, in order. Compared with step 2 of a real 2-rank DDP run; the
-    weight and bias of a layer may come in either order."""
+    once it has rebuilt its buckets, in the order DDP all-reduces them (the arrival order of
+    step 1, about reverse registration order). Compared with step 2 of a real 2-rank DDP run;
+    the weight and bias of a layer may come in either order (the pass line says when they differ
+    from the run's), the buckets may not: a list in reverse or in another order gets its own
+    hint."""
     ex = "09b.2 buckets"
     require(
         cap_bytes == int(CAP_MB * 1024 * 1024),
@@ -86,7 +89,8 @@ def buckets(cap_bytes: int, predicted=...) -> None:
         f"DDP made buckets {later} from step 2 on, which no order of each layer's weight "
         "and bias explains: DDP's rule has changed in this torch version",
     )
-    if list(guess) not in layouts:
+    guess = list(guess)
+    if guess not in layouts:
         near = {len(b): b for b in layouts}.get(len(guess))
         require(
             len(guess) != 1,
@@ -95,10 +99,25 @@ def buckets(cap_bytes: int, predicted=...) -> None:
             "in; predict the buckets it rebuilds for step 2 and after",
         )
         require(
-            list(guess) not in _layouts(cap_bytes, backward=False),
+            guess[::-1] not in layouts,
+            ex,
+            "these are the right buckets in reverse order: DDP fills buckets in the order "
+            "backward produced the gradients (recorded in step 1; reverse registration order, "
+            "reversed(parameters()), approximates it) and all-reduces each as it fills: the "
+            "first holds fc2's",
+        )
+        require(
+            guess not in _layouts(cap_bytes, backward=False),
             ex,
             "these are the buckets in forward order, "
             "conv1 first: backward produces the last layer's gradients first (fc2)",
+        )
+        require(
+            not any(sorted(guess) == sorted(b) for b in layouts),
+            ex,
+            "the right buckets in the wrong order: list them in the order DDP all-reduces "
+            "them, the order they fill, which is the order backward produces the gradients "
+            "(about reverse registration order: fc2's first)",
         )
         require(
             near is not None,
@@ -117,10 +136,16 @@ def buckets(cap_bytes: int, predicted=...) -> None:
     note = (
         "the same"
         if layout == later
-        else f"{layout}: the same, in another order (DDP's is the real arrival order)"
+        else f"{layout}: the same buckets, in another order (DDP's is the real arrival order)"
+    )
+    match = (
+        "as predicted"
+        if guess == later
+        else f"yours, {guess}, has a layer's weight and bias the other way round: either "
+        "arrives first (the exercise accepts both), the rest in DDP's order"
     )
     passed(
         ex,
-        f"from step 2 on DDP all-reduces {len(later)} buckets, {later} bytes, as predicted (step "
+        f"from step 2 on DDP all-reduces {len(later)} buckets, {later} bytes, {match} (step "
         f"1: one of {first:,}); bucket_layout over reversed(parameters()) gives {note}",
     )

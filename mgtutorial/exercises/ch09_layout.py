@@ -1,11 +1,14 @@
 """Checker of exercise 09a.4 (notebooks/09a_cost_model.ipynb): choose a (dp, tp, pp, recompute)
-layout of a transformer that fits a memory budget per GPU, and the estimate that shows it fits.
+layout of a transformer that fits a memory budget per GPU, for an eager attention (which keeps its
+s×s scores) and for ``F.scaled_dot_product_attention`` (which does not), and the estimate that
+shows it fits.
 
 The reference is :func:`mgtutorial.perf.layout.memory_per_gpu` (DDP across replicas, 1F1B, the
-dtype table's 16 bytes per parameter, Korthikanti et al.'s activations). The learner's estimate is
-compared with it on several layouts; the classic wrong estimates (no optimizer state, no
-gradients, no activations, states divided by dp, activations divided by pp) are named in the
-hint, and no hint prints the expected value.
+dtype table's 16 bytes per parameter, Korthikanti et al.'s activations, the attention kind of
+chapter 07a). The learner's estimate is compared with it on several layouts; the classic wrong
+estimates (no optimizer state, no gradients, no activations, states divided by dp, activations
+divided by pp, the scores kept under SDPA) are named in the hint, and no hint prints the expected
+value.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ COST = {"none": 0, "selective": 1, "full": 2}
 """Recomputation's extra compute, in order: none < selective (attention's softmax) < full."""
 
 
-def reference(dp: int, tp: int, pp: int, recompute: str) -> float:
+def reference(dp: int, tp: int, pp: int, recompute: str, attention: str = "eager") -> float:
     """Bytes per GPU of a layout of :data:`MODEL` (micro-batch 1), by the course's model."""
-    return layout.memory_per_gpu(MODEL, dp, tp, pp, recompute, heads=HEADS)["total"]
+    return layout.memory_per_gpu(MODEL, dp, tp, pp, recompute, heads=HEADS, attention=attention)[
+        "total"
+    ]
 
 
 def valid_layouts():
@@ -36,10 +41,10 @@ def valid_layouts():
                 yield GPUS // (tp * pp), tp, pp, recompute
 
 
-def best_layouts() -> list[tuple]:
+def best_layouts(attention: str = "eager") -> list[tuple]:
     """The fitting layouts with the fewest GPUs per replica (tp·pp), then the least
-    recomputation: what 09a.4 asks for."""
-    fits = [v for v in valid_layouts() if reference(*v) <= BUDGET]
+    recomputation, for that attention: what 09a.4 asks for."""
+    fits = [v for v in valid_layouts() if reference(*v, attention) <= BUDGET]
     key = lambda v: (v[1] * v[2], COST[v[3]])  # noqa: E731
     best = min(map(key, fits))
     return [v for v in fits if key(v) == best]
@@ -47,8 +52,11 @@ def best_layouts() -> list[tuple]:
 
 def _mistake(estimate, probes) -> str | None:
     """The name of the classic mistake that reproduces ``estimate`` on every probe, if any."""
-    parts = {v: layout.memory_per_gpu(MODEL, *v, heads=HEADS) for v in probes}
+    parts = {v: layout.memory_per_gpu(MODEL, *v[:4], heads=HEADS, attention=v[4]) for v in probes}
     variants = {
+        "keeps the s×s scores with attention='sdpa': F.scaled_dot_product_attention's fused "
+        "kernels keep a logsumexp per row instead (chapter 07a, section 5), so its 5·heads·s/(h·t) "
+        "term goes": lambda p, v: reference(*v[:4], "eager"),
         "leaves out Adam(W)'s state (exp_avg, exp_avg_sq: 8 bytes per parameter, the largest of "
         "the three)": lambda p, v: p["total"] - p["optimizer"],
         "leaves out the gradients (fp32, as the dtype table says)": lambda p, v: (
@@ -72,12 +80,19 @@ def _mistake(estimate, probes) -> str | None:
 
 
 def layout_choice(per_gpu_bytes=..., chosen=...) -> None:
-    """09a.4: ``per_gpu_bytes(dp, tp, pp, recompute)`` (bytes per GPU of a layout of
-    :data:`MODEL`) and ``chosen``, a ``(dp, tp, pp, recompute)`` tuple: a layout that fits
-    :data:`BUDGET` with the fewest GPUs per replica, then the least recomputation."""
+    """09a.4: ``per_gpu_bytes(dp, tp, pp, recompute, attention)`` (bytes per GPU of a layout of
+    :data:`MODEL`, ``attention`` "eager" or "sdpa") and ``chosen`` = {"eager", "sdpa": a
+    ``(dp, tp, pp, recompute)`` tuple}: per attention, a layout that fits :data:`BUDGET` with the
+    fewest GPUs per replica, then the least recomputation."""
     ex = "09a.4 layout"
     fn, chosen = answered(per_gpu_bytes, ex, "per_gpu_bytes"), answered(chosen, ex, "chosen")
-    probes = [(64, 1, 1, "none"), (8, 8, 1, "selective"), (8, 4, 2, "full"), (4, 4, 4, "none")]
+    probes = [
+        (64, 1, 1, "none", "eager"),
+        (8, 8, 1, "selective", "eager"),
+        (4, 4, 4, "none", "eager"),
+        (8, 4, 2, "full", "sdpa"),
+        (4, 4, 4, "none", "sdpa"),
+    ]
     estimate = {v: attempt(ex, fn, *v) for v in probes}
     for v in probes:
         if not close(estimate[v], reference(*v), rel=0.02):
@@ -91,28 +106,52 @@ def layout_choice(per_gpu_bytes=..., chosen=...) -> None:
                 "per parameter of the dtype table, and which degrees divide which term",
             )
     require(
-        isinstance(chosen, tuple) and len(chosen) == 4,
+        isinstance(chosen, dict) and set(chosen) == set(layout.ATTENTION),
         ex,
-        f"chosen = {chosen!r}: a tuple (dp, tp, pp, recompute)",
+        f"chosen = {chosen!r}: a dict {{'eager': (dp, tp, pp, recompute), 'sdpa': (…)}}",
     )
-    dp, tp, pp, recompute = chosen
-    require(
-        chosen in set(valid_layouts()),
-        ex,
-        f"{chosen} cannot run: dp·tp·pp must be {GPUS}, tp ≤ {MAX_TP} must divide the {HEADS} "
-        f"heads, pp the {MODEL.layers} layers, recompute one of {tuple(COST)}",
-    )
-    need = reference(*chosen)
-    require(need <= BUDGET, ex, f"{chosen} needs more than {BUDGET / 1e9:.0f} GB per GPU")
-    best = best_layouts()
-    require(
-        chosen in best,
-        ex,
-        f"{chosen} fits, but a layout with fewer GPUs per replica (tp·pp), or as few with less "
-        "recomputation, fits too: try them with your `per_gpu_bytes`",
-    )
+    for attention in layout.ATTENTION:
+        _check_choice(ex, chosen, attention)
+    eager, sdpa = (chosen[a] for a in layout.ATTENTION)
+    need = {a: reference(*chosen[a], a) / 1e9 for a in layout.ATTENTION}
     passed(
         ex,
-        f"{chosen} needs {need / 1e9:.1f} GB per GPU, within {BUDGET / 1e9:.0f} GB; the layouts "
-        f"as good: {best}",
+        f"eager attention: {eager} needs {need['eager']:.1f} GB per GPU; SDPA: {sdpa} needs "
+        f"{need['sdpa']:.1f} GB, within {BUDGET / 1e9:.0f} GB; the layouts as good, eager: "
+        f"{best_layouts('eager')}; SDPA: {best_layouts('sdpa')}",
+    )
+
+
+def _check_choice(ex: str, chosen: dict, attention: str) -> None:
+    """``chosen[attention]`` runs, fits and is among :func:`best_layouts` for that attention."""
+    pick, name = chosen[attention], f'chosen["{attention}"]'
+    require(
+        isinstance(pick, tuple) and len(pick) == 4,
+        ex,
+        f"{name} = {pick!r}: a tuple (dp, tp, pp, recompute)",
+    )
+    require(
+        pick in set(valid_layouts()),
+        ex,
+        f"{name} = {pick} cannot run: dp·tp·pp must be {GPUS}, tp ≤ {MAX_TP} must divide the "
+        f"{HEADS} heads, pp the {MODEL.layers} layers, recompute one of {tuple(COST)}",
+    )
+    require(
+        reference(*pick, attention) <= BUDGET,
+        ex,
+        f"{name} = {pick} needs more than {BUDGET / 1e9:.0f} GB per GPU",
+    )
+    if pick in best_layouts(attention):
+        return
+    same_replica = [v for v in best_layouts(attention) if v[1:3] == pick[1:3]]
+    sdpa_hint = (
+        ": with SDPA no s×s scores are kept, so recomputing attention saves almost nothing"
+        if attention == "sdpa" and same_replica and COST[pick[3]] > COST[same_replica[0][3]]
+        else ""
+    )
+    require(
+        False,
+        ex,
+        f"{name} = {pick} fits, but a layout with fewer GPUs per replica (tp·pp), or as few with "
+        f"less recomputation, fits too{sdpa_hint}: try them with your `per_gpu_bytes`",
     )

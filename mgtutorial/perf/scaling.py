@@ -57,8 +57,10 @@ def mfu(
 ) -> float:
     """Model FLOPs utilisation: ``(6·Ψ + attention) · tokens / (seconds · peak)`` (Ψ =
     parameters; ``attention_flops_per_token`` = 12·L·h·s for PaLM's definition, see
-    :func:`model_flops_per_token`; 0 leaves attention out). ``peak_flops`` must be a rate the
-    hardware cannot beat, or MFU can pass 100 %."""
+    :func:`model_flops_per_token`; 0 leaves attention out). ``peak_flops`` is the hardware's bound
+    in PaLM's definition; against a measured reference rate (chapter 09a, one CPU thread: a
+    median that the hardware's fastest calls beat) the result is a share of that rate, which
+    can pass 100 %."""
     return (6 * params + attention_flops_per_token) * tokens / (seconds * peak_flops)
 
 

@@ -194,7 +194,7 @@ class StepConfig(ddp.DDPConfig):
     warmup: int = 3
     """Steps per variant that are not counted."""
     steps: int = 10
-    """Timed steps per variant."""
+    """Steps per variant after the warm-up: steps − 1 durations (start to next start)."""
     profile: bool = False
     """Train one more step of the first "ddp" variant under ``torch.profiler`` (not timed); each
     rank writes its Chrome trace to ``<run dir>/trace_rank<r>.json``."""
@@ -271,22 +271,22 @@ def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None, barrier:
 
 
 def step_worker(cfg: StepConfig) -> list[dict]:
-    """Train each variant of ``cfg`` and return the median phase times per variant (rank's view).
-
-    Returns dicts: the variant, ``world_size`` (1 unless "ddp"), ``fwd_s``, ``bwd_s``, ``opt_s``,
-    ``step_s`` (medians over the timed steps), ``samples_per_s`` (this rank), ``step_times`` (s);
-    ``{**variant, "idle": True}`` where a rank waited. With ``profile``, the first "ddp" one also
-    has ``trace`` (its path) and ``grad_bytes`` (per parameter, in the order backward produces
-    them here, for :func:`mgtutorial.perf.costmodel.bucket_layout`).
-    """
+    """Train each variant of ``cfg``; per variant (this rank's view) the variant, ``world_size``
+    (1 unless "ddp"), ``fwd_s``, ``bwd_s``, ``opt_s``, ``step_s`` (medians over the timed steps),
+    ``samples_per_s``, ``step_times`` (s); ``{**variant, "idle": True, "idle_cpu_s"}`` where a
+    rank waited from rank 0's start to its end of training alone (its CPU seconds meanwhile).
+    With ``profile``, the first "ddp" one also has ``trace`` (its path) and ``grad_bytes`` (per
+    parameter, in the order backward produces them, for ``costmodel.bucket_layout``)."""
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
         out = []
         modes = [v.get("mode", "ddp") for v in cfg.variants]
         profiled = modes.index("ddp") if cfg.profile and "ddp" in modes else None
         for i, (variant, mode) in enumerate(zip(cfg.variants, modes)):
             if mode == "alone" and ctx.rank != 0:
-                dist.barrier()  # rank 0's start; its end is the next variant's barrier
-                out.append({**variant, "idle": True})
+                dist.barrier()  # rank 0's start
+                cpu = time.process_time()
+                dist.barrier()  # rank 0's end: nothing of the next variant is built meanwhile
+                out.append({**variant, "idle": True, "idle_cpu_s": time.process_time() - cpu})
                 continue
             own = (
                 ctx
@@ -295,4 +295,6 @@ def step_worker(cfg: StepConfig) -> list[dict]:
             )
             trace = str(runlog.run_dir() / f"trace_rank{ctx.rank}.json") if i == profiled else None
             out.append(run_variant(cfg, own, variant, trace, barrier=ctx.initialized))
+            if mode == "alone" and ctx.initialized:
+                dist.barrier()  # rank 0 has finished training alone: the others go on
         return out

@@ -10,8 +10,9 @@ https://pytorch.org/docs/stable/profiler.html.
 Timing done right: warm up first (the first calls allocate, connect and compile); a ``barrier``
 before the clock so every rank starts together; ``time.perf_counter`` (monotonic, high
 resolution); several repeats, reported as median and spread. On a GPU a collective or a kernel
-*returns before it finishes* (it is queued on a CUDA stream; NCCL runs on a stream of its own —
-chapter 03), so the clock must stop only after ``torch.cuda.synchronize()``, or use CUDA events.
+*returns before it finishes* (it is queued on a CUDA stream: a synchronous NCCL call on the
+current one, an asynchronous one, as DDP's, on the process group's own stream — chapter 03), so
+the clock must stop only after ``torch.cuda.synchronize()``, or use CUDA events.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from mgtutorial.common.compare import collective_name
-from mgtutorial.runtime import env
 
 
 def summarize(times: list[float]) -> dict:
@@ -92,14 +92,17 @@ def time_cuda_events(fn, repeats: int = 5) -> list[float]:
     return times
 
 
-def matmul_flops(n: int = 256, repeats: int = 5, threads: int = 1) -> dict:
-    """FLOP/s of an ``n×n @ n×n`` float32 matmul (2n³ FLOPs) on ``threads`` CPU threads (or the
-    GPU).
+def matmul_flops(
+    n: int = 256, repeats: int = 5, threads: int = 1, device: torch.device | None = None
+) -> dict:
+    """FLOP/s of an ``n×n @ n×n`` float32 matmul (2n³ FLOPs) on ``threads`` CPU threads, or on
+    ``device`` when given (default: the CPU, whatever GPU the machine has, since chapter 09a's
+    MFU and roofline compare it with CPU work).
 
     Returns ``{"flops": median FLOP/s, "best": the fastest call's FLOP/s, "times": [s]}``;
     restores the caller's thread count.
     """
-    device = env.device_for(env.resolve_backend("auto", 1))
+    device = device or torch.device("cpu")
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -111,14 +114,28 @@ def matmul_flops(n: int = 256, repeats: int = 5, threads: int = 1) -> dict:
     return {"flops": work / statistics.median(times), "best": work / min(times), "times": times}
 
 
-def matmul_peak(sizes=(256, 512, 1024, 2048), repeats: int = 7, threads: int = 1) -> dict:
-    """The highest FLOP/s measured by :func:`matmul_flops` over square ``sizes``, each the
-    fastest of ``repeats`` calls: the best rate this machine showed, a measured reference for MFU
-    (not a hardware bound; compare it with a workload timed the same way, fastest of as many
-    calls). Returns ``{"flops": that rate, "n": its size, "by_size": {n: fastest FLOP/s}}``."""
-    by_size = {n: matmul_flops(n, repeats, threads)["best"] for n in sizes}
+def matmul_peak(
+    sizes=(128, 256, 512, 1024), repeats: int = 21, threads: int = 1, device=None
+) -> dict:
+    """A measured reference rate for MFU (not a hardware bound): the median FLOP/s of ``repeats``
+    calls of :func:`matmul_flops` at the size that saturates, the one of ``sizes`` whose fastest
+    of 5 calls (the least disturbed by other programs: what the core can do at that size) is
+    highest; beyond it the operands leave the cache. Compare it with a workload timed the same
+    way (median of its calls), on the same ``device`` (default: the CPU). Returns ``{"flops":
+    that median, "n": its size, "by_size": {n: fastest FLOP/s of 5 calls}, "quartiles": (q1, q3)
+    FLOP/s of the ``repeats`` calls, "best": their fastest FLOP/s}``."""
+    by_size = {n: matmul_flops(n, 5, threads, device)["best"] for n in sizes}
     n = max(by_size, key=by_size.get)
-    return {"flops": by_size[n], "n": n, "by_size": by_size}
+    run = matmul_flops(n, repeats, threads, device)
+    rates = sorted(2 * n**3 / t for t in run["times"])
+    q1, _, q3 = statistics.quantiles(rates, n=4)
+    return {
+        "flops": run["flops"],
+        "n": n,
+        "by_size": by_size,
+        "quartiles": (q1, q3),
+        "best": run["best"],
+    }
 
 
 def event_kind(name: str) -> str:

@@ -1,10 +1,12 @@
 """FSDP2 as people run it: a step's timeline with and without explicit forward prefetching
 (:mod:`mgtutorial.sharding.prefetch`); gradient accumulation without a reduce-scatter per
-micro-batch (``set_requires_gradient_sync``); HSDP on a 2-D mesh (replicate × shard); every
-collective counted and every result compared with one process.
+micro-batch (``set_requires_gradient_sync``) and without an all-gather per micro-batch
+(``set_reshard_after_backward``: parameters kept gathered between micro-batches); HSDP on a 2-D
+mesh (replicate × shard); every collective counted and every result compared with one process.
 
 Taught in notebooks/07b_fsdp2.ipynb, section 7. Follows
-https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html (``set_requires_gradient_sync``;
+https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html (``set_requires_gradient_sync``
+and ``set_reshard_after_backward``, as torch's test_fully_shard_training.py accumulates;
 a 2-D mesh makes ``fully_shard`` hybrid: ``(Replicate(), Shard(0))``) and torchtitan's use of both.
 :func:`part_practice` runs inside :func:`mgtutorial.sharding.worker.worker` on 4 ranks.
 """
@@ -23,27 +25,34 @@ from mgtutorial.sharding.model import batch, make_model, reference
 from mgtutorial.sharding.prefetch import step_timeline
 
 
-def accumulate_step(model, opt, x, y, micro: int, sync_each: bool) -> dict[str, int]:
+def accumulate_step(
+    model, opt, x, y, micro: int, sync_each: bool, reshard_each: bool = True
+) -> dict[str, int]:
     """One optimizer step over ``micro`` micro-batches of this rank's ``(x, y)``; the loss of each
     is divided by ``micro``, so the accumulated gradient is the mean. With ``sync_each=False``
     only the last backward reduces gradients (``set_requires_gradient_sync``); the others keep
-    them unsharded and local. Returns the step's collectives (``CommDebugMode``)."""
+    them unsharded and local. With ``reshard_each=False`` only the last backward reshards the
+    parameters (``set_reshard_after_backward``): the next micro-batch's forward finds them
+    gathered. Returns the step's collectives (``CommDebugMode``)."""
     with CommDebugMode() as comm:
         for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
             model.set_requires_gradient_sync(sync_each or i == micro - 1)
+            model.set_reshard_after_backward(reshard_each or i == micro - 1)
             (nn.functional.mse_loss(model(xm), ym) / micro).backward()
         opt.step()
         opt.zero_grad()
     return collective_counts(comm)
 
 
-def train_accumulating(cfg, ctx, model, micro: int, sync_each: bool) -> list[dict]:
+def train_accumulating(
+    cfg, ctx, model, micro: int, sync_each: bool, reshard_each: bool = True
+) -> list[dict]:
     """``cfg.steps`` steps of :func:`accumulate_step` with AdamW; each step's counts."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     counts = []
     for step in range(cfg.steps):
         x, y = (t.to(ctx.device) for t in batch(cfg, step, ctx.rank, ctx.world_size))
-        counts.append(accumulate_step(model, opt, x, y, micro, sync_each))
+        counts.append(accumulate_step(model, opt, x, y, micro, sync_each, reshard_each))
     return counts
 
 
@@ -55,15 +64,21 @@ def hsdp_mesh(cfg, ctx):
 
 
 def part_practice(cfg, ctx) -> dict:
-    """Accumulation over 2 micro-batches with and without a reduce-scatter per micro-batch, and
-    HSDP on a 2 × (N / 2) mesh: collectives per step (the last step's) and max |Δ| to one process.
-    Needs an even world size of at least 4."""
+    """Accumulation over 2 micro-batches: with a reduce-scatter per micro-batch, only in the last
+    one, and also without resharding after the first backward ("keep_gathered"); HSDP on a
+    2 × (N / 2) mesh: collectives per step (the last step's) and max |Δ| to one process. Needs an
+    even world size of at least 4."""
     ref, _ = reference(cfg)
     out = {"blocks": cfg.blocks}
     out["timeline"] = {k: step_timeline(cfg, ctx, k) for k in ("implicit", "prefetch", "async")}
-    for name, sync_each in (("sync_each", True), ("sync_last", False)):
+    variants = {
+        "sync_each": (True, True),
+        "sync_last": (False, True),
+        "keep_gathered": (False, False),
+    }
+    for name, (sync_each, reshard_each) in variants.items():
         model = apply_fsdp(make_model(cfg).to(ctx.device), mesh_for(cfg, ctx))
-        counts = train_accumulating(cfg, ctx, model, 2, sync_each)
+        counts = train_accumulating(cfg, ctx, model, 2, sync_each, reshard_each)
         out[name] = {
             "counts": counts[-1],
             "max_diff": max_abs_diff(model.state_dict(), ref.state_dict()),

@@ -1,6 +1,7 @@
 """Activation memory and recomputation (activation checkpointing): what backward keeps per block,
 predicted and measured from the allocator, and what full and selective recomputation save and
-cost.
+cost; the bytes an attention keeps, eager (its s×s probabilities) and fused
+(``F.scaled_dot_product_attention``: its output and a logsumexp per row).
 
 Taught in notebooks/07a_zero_memory.ipynb, section 5. Follows
 https://pytorch.org/docs/stable/checkpoint.html (``torch.utils.checkpoint``, non-reentrant, and
@@ -14,13 +15,16 @@ wrapper FSDP2 users put around each block). Measured with ``torch.profiler``'s m
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 from typing import Literal, get_args
 
 import torch
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.nn import functional as F
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -110,4 +114,34 @@ def measure(batch: int = 128, h: int = 64, f: int = 256, blocks: int = 4, repeat
             "seconds": statistics.median(seconds),
             "same_grads": all(torch.equal(a, b) for a, b in zip(grads, reference)),
         }
+    return out
+
+
+def eager_attention(q, k, v):
+    """``softmax(q·kᵀ/√d)·v`` written out: autograd keeps the (b, heads, s, s) probabilities."""
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+def attention_saved_bytes(seq: int, heads: int = 4, head_dim: int = 16) -> dict[str, int]:
+    """Bytes autograd keeps for backward (``saved_tensors_hooks``, one count per storage) beyond
+    q, k and v themselves, for one sequence of ``seq`` tokens (float32, shapes (1, heads, seq,
+    head_dim)): ``{"eager": …, "sdpa": …}``, :func:`eager_attention` and
+    ``F.scaled_dot_product_attention`` (whose CPU flash kernel, like the CUDA flash and
+    memory-efficient ones, keeps its output and one logsumexp per row)."""
+    out = {}
+    for kind, attend in (("eager", eager_attention), ("sdpa", F.scaled_dot_product_attention)):
+        gen = torch.Generator().manual_seed(0)
+        qkv = [torch.randn(1, heads, seq, head_dim, generator=gen, requires_grad=True)]
+        qkv += [torch.randn_like(qkv[0]).requires_grad_() for _ in range(2)]
+        inputs, kept = {t.untyped_storage().data_ptr() for t in qkv}, {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in inputs:
+                kept[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with saved_tensors_hooks(pack, lambda t: t):
+            attend(*qkv)
+        out[kind] = sum(kept.values())
     return out

@@ -1,4 +1,4 @@
-"""Checker of exercise 08.5 (notebooks/08_tensor_parallel.ipynb): write the sequence-parallel
+"""Checker of exercise 08.4 (notebooks/08_tensor_parallel.ipynb): write the sequence-parallel
 DTensor plan of a Llama-style block (gated MLP, torchtitan's module names), reached as
 ``ex.ch08.block_plan``.
 
@@ -152,12 +152,12 @@ def plan_worker(cfg: FileWorkerConfig) -> dict:
 
 
 def block_plan(path: str = "ex08_plan.py") -> None:
-    """08.5: ``block_plan()`` in ``path`` returns the ``parallelize_module`` plan that splits
+    """08.4: ``block_plan()`` in ``path`` returns the ``parallelize_module`` plan that splits
     :class:`GatedBlock` with sequence parallelism: the block's input and output are this rank's
     ``s / tp`` tokens (``Shard(1)``). On 2 ranks the output, the input's gradient and every
     parameter's gradient must equal the unsplit block's, with 2 all-gathers and 2 reduce-scatters
     in forward and again in backward (``CommDebugMode``)."""
-    ex = "08.5 a plan for a block"
+    ex = "08.4 a plan for a block"
     plan = attempt(ex, function_from(path, "block_plan", ex))
     _check_plan(ex, plan)
     cfg = FileWorkerConfig(path=str(Path(path).resolve()), function="block_plan", backend="gloo")

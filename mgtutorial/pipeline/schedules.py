@@ -107,7 +107,11 @@ class PipelineConfig(Config):
                 "micro-batch by its share."
             )
         if self.schedule == "1f1b" and m < nprocs:
-            raise ValueError(f"1F1B needs n_microbatches ≥ stages: {m} < {nprocs}.")
+            raise ValueError(
+                f"1F1B needs n_microbatches ≥ stages: {m} < {nprocs}. Schedule1F1B refuses it too "
+                "(its warm-up fills every stage with a micro-batch): use n_microbatches ≥ "
+                f"{nprocs}, or schedule='gpipe'."
+            )
         rounds = max(1, m // nprocs)  # ScheduleInterleaved1F1B's own rule (torch 2.14)
         if self.schedule == "interleaved" and m % rounds:
             raise ValueError(

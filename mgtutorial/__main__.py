@@ -177,17 +177,18 @@ def _check(p: argparse.ArgumentParser, args) -> int:
     return laptop_check.main(cfg)
 
 
-def build_parser(check_only: bool = False) -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The command line: one subcommand per worker, its options generated from the worker's config.
-    ``check_only``: only the ``check`` command, without importing torch."""
+    ``command``: the first word of the command line; ``check`` imports no torch, and a command
+    other than ``pipeline`` does not import torch.distributed.pipelining (seconds per rank)."""
     parser = argparse.ArgumentParser(
         prog="python -m mgtutorial",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    if not check_only:
-        _add_commands(sub)
+    if command != "check":
+        _add_commands(sub, command not in ("ddp", "elastic", "hello", "data", "describe"))
     p = sub.add_parser(
         "check", help="the laptop check for the morning of a workshop: a pass/fail table"
     )
@@ -196,11 +197,10 @@ def build_parser(check_only: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
-def _add_commands(sub) -> None:
-    """Every command but ``check``; these import torch."""
+def _add_commands(sub, pipeline_too: bool = True) -> None:
+    """Every command but ``check`` (these import torch); ``pipeline`` only if ``pipeline_too``."""
     from mgtutorial import ddp
     from mgtutorial.hello import HelloConfig, hello
-    from mgtutorial.pipeline import schedules as pipeline
     from mgtutorial.scale import elastic
 
     _config_parser(
@@ -217,13 +217,18 @@ def _add_commands(sub) -> None:
         "DDP training with snapshots and an injected fault, restarted by torchrun (chapter 05b)",
         lambda args: _run(args, elastic.elastic_worker, config_from(args), "elastic", _ddp_report),
     )
-    _config_parser(
-        sub,
-        "pipeline",
-        pipeline.PipelineConfig,
-        "pipeline-parallel training of the article's MLP, one stage per rank (chapter 04)",
-        lambda args: _run(args, pipeline.worker, config_from(args), "pipeline", _pipeline_report),
-    )
+    if pipeline_too:
+        from mgtutorial.pipeline import schedules
+
+        _config_parser(
+            sub,
+            "pipeline",
+            schedules.PipelineConfig,
+            "pipeline-parallel training of the article's MLP, one stage per rank (chapter 04)",
+            lambda args: _run(
+                args, schedules.worker, config_from(args), "pipeline", _pipeline_report
+            ),
+        )
     _config_parser(
         sub,
         "hello",
@@ -255,7 +260,7 @@ def main_recorded() -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        parser = build_parser(check_only=argv[:1] == ["check"])
+        parser = build_parser(argv[0] if argv else None)
     except ImportError as exc:  # torch or psutil missing or broken: say where the diagnosis is
         from mgtutorial.workshop.laptop_packages import outside_environment
 

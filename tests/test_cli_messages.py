@@ -164,7 +164,7 @@ def test_a_diverging_run_from_the_shell_exits_non_zero(tmp_path):
 def test_a_command_run_by_another_python_names_the_course_one(monkeypatch, capsys):
     from mgtutorial.workshop import laptop_packages
 
-    def no_torch(check_only=False):
+    def no_torch(command=None):
         raise ModuleNotFoundError("No module named 'torch'")
 
     monkeypatch.setattr(cli, "build_parser", no_torch)

@@ -135,7 +135,7 @@ def test_import_mgtutorial_and_the_check_command_load_neither_torch_nor_psutil()
     code = """if True:
         import sys, mgtutorial
         from mgtutorial.__main__ import build_parser
-        build_parser(check_only=True).parse_args(["check"])
+        build_parser("check").parse_args(["check"])
         assert not {"torch", "psutil"} & set(sys.modules), "imported eagerly"
         from mgtutorial import ddp, exercises
         from mgtutorial import launch
@@ -195,7 +195,7 @@ def _fields(argv: list[str]) -> dict:
     from mgtutorial.__main__ import build_parser
     from mgtutorial.cli_options import config_from
 
-    return config_from(build_parser(check_only=True).parse_args(["check", *argv])).__dict__
+    return config_from(build_parser("check").parse_args(["check", *argv])).__dict__
 
 
 @pytest.mark.timeout(120)

@@ -16,6 +16,7 @@ import workers
 
 from mgtutorial import launch
 from mgtutorial.runtime.failure import WorkerFailed
+from mgtutorial.runtime.launcher import start_fork_server
 from mgtutorial.runtime.procs import rank_processes
 
 TESTS = Path(__file__).resolve().parent
@@ -69,6 +70,26 @@ def test_ranks_fork_from_a_server_without_course_modules(runs, no_leftovers):
     assert "torch" in preload and "mgtutorial" not in preload and "workers" not in preload
     assert server[0].num_threads() == 1  # no thread pool was started there: forking it is safe
     assert not pids & {p.pid for p in rank_processes()}  # and the ranks are gone
+
+
+def _fork_servers() -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.Process().children()
+        if "multiprocessing.forkserver" in " ".join(p.cmdline())
+    ]
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_the_fork_server_started_ahead_is_the_one_launch_forks_from(runs, no_leftovers):
+    assert start_fork_server()  # returns while the server imports torch
+    (server,) = _fork_servers()
+    assert "torch" in " ".join(server.cmdline())
+    assert start_fork_server() and _fork_servers() == [server]  # a second call starts no other
+    run = launch(workers.env_probe, workers.ProbeConfig(), 2, runs_dir=runs)
+    ppids = {psutil.Process(pid).ppid() for pid in run.pids.values() if psutil.pid_exists(pid)}
+    run.wait(timeout=HANG_GUARD_S)
+    assert ppids <= {server.pid} and _fork_servers() == [server]
 
 
 @pytest.mark.timeout(HANG_GUARD_S)

@@ -74,3 +74,32 @@ def test_terminal_follower_on_a_run(runs, capsys, no_leftovers):
     assert (run.run_dir / "loss.png").exists()
     err = capsys.readouterr().err
     assert "3/3" in err  # the bar knew the total from the plan record
+
+
+class _FinishedRun:
+    """What LivePlot reads of a Run whose ranks have all returned."""
+
+    nprocs = 2
+
+    def __init__(self, run_dir):
+        self.run_dir = run_dir
+
+    def poll(self):
+        return "finished"
+
+    def alive(self):
+        return 0
+
+
+def test_live_plot_saves_its_last_drawing_without_drawing_it_again(tmp_path, monkeypatch):
+    import IPython.display
+
+    recs = _records(tmp_path, with_eval=True)
+    drawn, shown = [], []
+    monkeypatch.setattr(live, "figure_png", lambda fig: drawn.append(fig) or b"png %d" % len(drawn))
+    handle = type("Handle", (), {"update": lambda self, obj: shown.append(obj.data)})()
+    monkeypatch.setattr(IPython.display, "display", lambda *objs, **kw: handle)  # as in a kernel
+    assert live.LivePlot(_FinishedRun(tmp_path)).follow() == "finished"
+    assert len(drawn) == 1 and (tmp_path / "loss.png").read_bytes() == b"png 1" == shown[-1]
+    lines = drawn[0].axes[0].get_lines()  # the drawing holds every record
+    assert [list(line.get_xdata()) for line in lines] == [[1, 2]] * 3 and len(recs) == 7

@@ -224,6 +224,12 @@ def test_cuda_events_time_a_kernel():
     assert all(t > 0 for t in timing.time_cuda_events(lambda: a @ a, repeats=3))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_cuda_events_without_cuda_name_the_cpu_timer():
+    with pytest.raises(RuntimeError, match="CUDA events need a CUDA GPU; on CPU use time_op"):
+        timing.time_cuda_events(lambda: None)
+
+
 def test_bad_sweep_and_step_configs_refused_before_start(runs):
     with pytest.raises(ValueError, match="alltoall"):
         launch(sweeps.sweep_worker, sweeps.SweepConfig(ops=["alltoall"]), 2, runs_dir=runs)

@@ -350,3 +350,12 @@ def test_prefetch_reads_fsdp_labels_and_counts_compute_during_a_collective():
     assert "compute ops during a collective: 1" in fig.axes[0].get_title()
     # no collective recorded off the training thread (NCCL under a CPU profile): not measured
     assert prefetch.read_spans(events[:2] + events[3:])["overlapped"] is None
+
+
+@pytest.mark.timeout(240)
+def test_the_bench_part_trains_every_set_up_side_by_side(runs, no_leftovers):
+    values = launch(worker, ShardConfig(parts=["bench"], **CFG), 2, runs_dir=runs).wait(timeout=200)
+    for rank in (0, 1):
+        bench = values.values[rank]["bench"]
+        assert list(bench) == ["ddp", "zero1", "zero2", "fsdp_reshard", "fsdp_keep"]
+        assert all(b["step_s"] > 0 and b["bytes"] for b in bench.values())

@@ -24,6 +24,7 @@ import dataclasses
 import inspect
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import secrets
 import socket
@@ -245,6 +246,19 @@ def _start_method(requested: StartMethod | None) -> StartMethod:
         # takes effect when the server starts (the first forkserver launch of this process)
         multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     return method
+
+
+def start_fork_server() -> bool:
+    """Start the fork server now and return at once: it imports :data:`FORKSERVER_PRELOAD` (seconds)
+    while the caller goes on, and the first :func:`launch` finds it ready. Optional (that launch
+    starts it otherwise); does nothing where ranks are spawned. Returns whether one was started or
+    runs. Follows ``multiprocessing.forkserver.ensure_running``
+    (https://docs.python.org/3/library/multiprocessing.html#multiprocessing.set_forkserver_preload).
+    """
+    if _start_method(None) != "forkserver":
+        return False
+    multiprocessing.forkserver.ensure_running()
+    return True
 
 
 def _listen(port: int | None) -> socket.socket:

@@ -185,7 +185,7 @@ class LivePlot:
         status, out = widgets.HTML("starting ranks…"), widgets.Output()
         box = widgets.VBox([status, out])
         handle = display(box, display_id=True)  # replaced in place by the final figure below
-        last, done, error = 0.0, False, None
+        last, done, error, final = 0.0, False, None, None
         try:
             while not done:
                 try:
@@ -200,7 +200,7 @@ class LivePlot:
                         display(Image(png))
                     status.value = _status(self.run, progress(self.reader.records))
                     self.redraws += 1
-                    last = time.monotonic()
+                    last, final = time.monotonic(), png if done else None  # all records drawn
                 if not done:
                     time.sleep(0.1)
         except KeyboardInterrupt:
@@ -210,7 +210,11 @@ class LivePlot:
             for widget in (status, out, box):
                 widget.close()
             if self.reader.records:
-                png = save_loss_png(self.run.run_dir, self.reader.records, self.title)
+                if final is not None and runlog.of_kind(self.reader.records, "train"):
+                    png = final  # drawn after the end: saved as it is, not drawn again
+                    (self.run.run_dir / "loss.png").write_bytes(png)
+                else:
+                    png = save_loss_png(self.run.run_dir, self.reader.records, self.title)
                 handle.update(Image(png))  # the saved notebook keeps a plain PNG, not a dead widget
                 print(_status(self.run, progress(self.reader.records)))
             else:

@@ -32,10 +32,9 @@ idle fraction of the step, (p − 1)/(m + p − 1) ideally; ``bubble_vs_compute`
 busy time, b / (1 − b), (p − 1)/m ideally (Megatron-LM, the Ultra-Scale Playbook). ``best_speedup``
 is the best samples/s of any schedule and m ≥ 2 over the naive split's, with where it was reached.
 With ``--device-ms`` > 0 every configuration runs again on the simulated device
-(:mod:`mgtutorial.pipeline.simulated`: each rank's device clock, on which the whole model's forward
-of a batch lasts that long; the real schedule only decides the order of the boxes) and the same keys
-appear under ``simulated``, computed from the device clock (samples/s = batch ÷ the step's span on
-the device), not measured on the host."""
+(:mod:`mgtutorial.pipeline.simulated`: each box lasts a set time on the wall clock, the rank
+sleeping with its core free for what the arithmetic leaves; the whole model's forward of a batch
+lasts that long) and the same keys appear under ``simulated``, measured the same way."""
 
 from __future__ import annotations
 
@@ -89,11 +88,6 @@ def measure(
         timeline.median_over_steps(records, lambda evs: bubble.step_costs(evs, by, v)[k], steps)
         for k in ("model", "delay")
     )
-    if device_ms:  # the device's clock, not the host's: batch ÷ the step's span there
-        times = [
-            max(e["end"] for e in evs) - min(e["start"] for e in evs)
-            for evs in (timeline.events(records, s) for s in steps)
-        ]
     return args.batch_size / statistics.median(times), measured, model, delay
 
 

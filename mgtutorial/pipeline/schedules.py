@@ -19,14 +19,11 @@ s−1 with point-to-point send/recv. From the shell::
 
 from __future__ import annotations
 
-import datetime
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mgtutorial.common import models
@@ -73,9 +70,10 @@ class PipelineConfig(Config):
     fail_stage: int = -1
     """Fault injection: this stage raises at step 2 (−1: never)."""
     device_ms: float = 0.0
-    """A simulated device (:mod:`mgtutorial.pipeline.simulated`): the timeline's boxes are the
-    device's, on which the whole model's forward of one batch lasts this many milliseconds (its
-    backward twice), shared evenly by the stages and micro-batches; 0: the host's clock."""
+    """A simulated device (:mod:`mgtutorial.pipeline.simulated`): every box lasts a set time on
+    the wall clock, the rank sleeping (its core free) for what the arithmetic leaves; the whole
+    model's forward of one batch lasts this many milliseconds (its backward twice), shared evenly
+    by the stages and micro-batches. 0: no simulated device, the boxes last what the CPU takes."""
     input_grad: bool = False
     """Stage 0 also computes the gradient of its input (work nobody needs), so that in an MLP of
     equal layers every stage's backward does the same work (chapter 04's bubble measurement)."""
@@ -185,21 +183,6 @@ def unsplit_reference(cfg: PipelineConfig) -> tuple[nn.Module, list[float]]:
     return model, losses
 
 
-def simulated_device(cfg: PipelineConfig, ctx: env.DistContext, num_stages: int):
-    """This rank's :class:`~mgtutorial.pipeline.simulated.DeviceClock`, its box times from
-    ``cfg.device_ms``, sharing the job's store (a client of the ``MASTER_ADDR:MASTER_PORT`` store
-    the ranks met at) under the prefix ``simulated_device``."""
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=cfg.timeout_s),
-    )
-    forward_s, backward_s = simulated.box_seconds(cfg.device_ms, num_stages, cfg.n_microbatches)
-    prefixed = dist.PrefixStore("simulated_device", store)
-    return simulated.DeviceClock(prefixed, forward_s, backward_s, num_stages - 1)
-
-
 def worker(cfg: PipelineConfig) -> dict:
     """One pipeline stage per rank (stage = rank; two for "interleaved": r and r + p); trains
     ``cfg.steps`` steps with ``cfg.schedule``.
@@ -218,9 +201,13 @@ def worker(cfg: PipelineConfig) -> dict:
         cfg.validate(p)
         ids = [s + i * p for i in range(v)]  # the global stages this rank holds
         modules = [build_stage(cfg, i, v * p).to(ctx.device) for i in ids]  # only those
-        clock = simulated_device(cfg, ctx, v * p) if cfg.device_ms else None
+        device = None
+        if cfg.device_ms:  # a simulated device: each box holds the rank for its device time
+            device = simulated.SimulatedDevice(
+                *simulated.box_seconds(cfg.device_ms, v * p, cfg.n_microbatches)
+            )
         memory = ActivationMeter(nn.ModuleList(modules))
-        timelines = [timeline.Timeline(mod, i, log, memory, clock) for mod, i in zip(modules, ids)]
+        timelines = [timeline.Timeline(mod, i, log, memory, device) for mod, i in zip(modules, ids)]
         opt = torch.optim.SGD(nn.ModuleList(modules).parameters(), lr=cfg.lr)
         schedule = None
         if cfg.schedule != "hand-gpipe":

@@ -1,25 +1,24 @@
-"""A simulated device: the host queues a stage's work and is free while it runs, as with a GPU.
+"""A simulated device: each box holds the rank for a set time while leaving the core free, as a
+host waiting on a GPU stream would.
 
 Taught in notebooks/04a_pipeline_gpipe.ipynb (the bubble formula, shown holding) and
 notebooks/04b_pipeline_schedules.ipynb (1F1B, interleaved). On a GPU the host only *queues* a
-stage's kernels and runs ahead; the timeline that matters is the device's, which CUDA events read.
-Here every rank's arithmetic holds one of the machine's shared cores, so the host's timestamps mix
-the pipeline with everything else the machine does.
+stage's kernels; the device computes while the host's core is free, and the timeline that matters
+is the device's. Here every rank's arithmetic holds one of the machine's shared cores, so a box's
+length depends on who else computes.
 
-:class:`DeviceClock` gives each rank a device with a clock of its own. The real schedule runs as
-usual (``torch.distributed.pipelining``, real send/recv, real arithmetic, which stays equal to the
-unsplit model), and each box it issues also runs on the device: it starts when the device is free
-and the box's input is ready *on the device* (the producing box's end, which its rank posts to the
-store before it sends the tensor), and lasts a set time. The device's clock ignores how long the
-host took, exactly as a GPU's stream does when the host is ahead; nothing else about the step is
-simulated. A transfer between devices takes no device time here.
+:class:`SimulatedDevice` makes each box last a set *device time* on the wall clock without holding
+a core: the real schedule runs as usual (``torch.distributed.pipelining``, real send/recv, real
+arithmetic, which stays equal to the unsplit model), and at the end of each forward or backward box
+the rank sleeps until the box has lasted its device time (``time.sleep``: the thread waits, the core
+is free for the other ranks). Only the boxes' compute time is simulated; the order of the boxes,
+the waits for a neighbour's activation or gradient, the send/recv and the schedule's own Python are
+the real run's, and the bubble is measured from the boxes' wall-clock timestamps.
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
-from mgtutorial.pipeline.bubble import producer
+import time
 
 
 def box_seconds(device_ms: float, num_stages: int, n_microbatches: int) -> tuple[float, float]:
@@ -30,33 +29,18 @@ def box_seconds(device_ms: float, num_stages: int, n_microbatches: int) -> tuple
     return forward_s, 2 * forward_s
 
 
-class DeviceClock:
-    """One rank's simulated device: a clock (seconds from 0) and the time it is next free.
+class SimulatedDevice:
+    """One rank's simulated device: a forward box lasts ``forward_s`` seconds, a backward box
+    ``backward_s`` (wall clock), of which the real arithmetic takes what it takes and a sleep the
+    rest. Shared by the rank's stages: the rank runs one box at a time."""
 
-    ``store``: a store all ranks share (the box ends travel through it); ``last_stage``: the index
-    of the pipeline's last stage (its backward waits for its own forward). One clock per rank,
-    shared by the rank's stages (a device runs one box at a time).
-    """
-
-    def __init__(
-        self, store: dist.Store, forward_s: float, backward_s: float, last_stage: int
-    ) -> None:
-        self.store, self.last_stage = store, last_stage
+    def __init__(self, forward_s: float, backward_s: float) -> None:
         self.seconds = {"forward": forward_s, "backward": backward_s}
-        self.free = 0.0
 
-    def box(self, event: str, stage: int, microbatch: int, step: int) -> tuple[float, float]:
-        """(start, end) of one box on this device, in device seconds: it starts when the device is
-        free and its :func:`~mgtutorial.pipeline.bubble.producer`'s box has ended, and lasts
-        its set time. Posts its end for the box that waits for it (call it before the output or the
-        gradient is sent on)."""
-        dep = producer(event, stage, microbatch, self.last_stage)
-        ready = 0.0 if dep is None else float(self.store.get(_key(step, *dep)))
-        start = max(self.free, ready)
-        self.free = start + self.seconds[event]
-        self.store.set(_key(step, stage, event, microbatch), repr(self.free))
-        return start, self.free
-
-
-def _key(step: int, stage: int, event: str, microbatch: int) -> str:
-    return f"{step}/{stage}/{event}/{microbatch}"
+    def hold(self, event: str, start: float) -> None:
+        """Sleep until the box ``event`` ("forward"|"backward") that started at ``start``
+        (``time.time()``, seconds) has lasted its device time; return at once if the arithmetic
+        already took longer. Call it before the box's output or gradient is sent on."""
+        left = start + self.seconds[event] - time.time()
+        if left > 0:
+            time.sleep(left)

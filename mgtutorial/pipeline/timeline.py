@@ -46,9 +46,10 @@ class Timeline:
     from forward pre/post hooks; backward from the full-backward pre-hook (its start) and a
     multi-grad hook over the stage's parameters (its end). ``memory`` is the stage's
     :class:`ActivationMeter` (pass ``memory`` to share one between the stages of one rank); events
-    carry its ``live_activation_bytes`` at the box's end. With ``clock``
-    (:class:`~mgtutorial.pipeline.simulated.DeviceClock`) the events' ``start`` and ``end`` are the
-    simulated device's, in device seconds, instead of the host's.
+    carry its ``live_activation_bytes`` at the box's end. With ``device``
+    (:class:`~mgtutorial.pipeline.simulated.SimulatedDevice`) each box lasts at least its device
+    time: the rank sleeps at the box's end (before its output or gradient is sent on), and the
+    event's ``end`` is read after the sleep.
     """
 
     def __init__(
@@ -57,9 +58,9 @@ class Timeline:
         stage: int,
         log: runlog.RunLog,
         memory: ActivationMeter | None = None,
-        clock=None,
+        device=None,
     ):
-        self.stage, self.log, self.step, self.clock = stage, log, 0, clock
+        self.stage, self.log, self.step, self.device = stage, log, 0, device
         self.ignore_forwards = 0  # forward passes to leave out (shape inference), see worker()
         self.fwd = self.bwd = 0
         self._t0 = self._b0 = 0.0
@@ -91,9 +92,9 @@ class Timeline:
         self.bwd += 1
 
     def _event(self, name: str, mb: int, start: float) -> None:
+        if self.device is not None:  # the simulated device: the box lasts its device time
+            self.device.hold(name, start)
         end = time.time()
-        if self.clock is not None:  # the simulated device's own times
-            start, end = self.clock.box(name, self.stage, mb, self.step)
         self.log.event(
             event=name,
             start=start,

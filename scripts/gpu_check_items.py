@@ -838,12 +838,13 @@ def naive_split(w: Where) -> dict:
     chapter="04a_pipeline_gpipe",
     min_gpus=2,
     timeout_s=300,
-    what="one pipeline stage per GPU (torch.distributed.pipelining GPipe/1F1B) == unsplit; "
+    what="one pipeline stage per GPU (torch.distributed.pipelining GPipe/1F1B, GPipe by hand) == "
+    "unsplit; "
     "bubble table",
 )
 def pipeline_stages(w: Where) -> dict:
     rows = []
-    for schedule, m in (("gpipe", 1), ("gpipe", 4), ("1f1b", 4), ("1f1b", 8)):
+    for schedule, m in (("gpipe", 1), ("gpipe", 4), ("1f1b", 4), ("1f1b", 8), ("hand-gpipe", 3)):
         cfg = schedules.PipelineConfig(
             schedule=schedule, n_microbatches=m, batch_size=64, steps=3, backend=w.backend
         )
@@ -1031,7 +1032,8 @@ def zero_bubble_interleaved(w: Where) -> dict:
     min_gpus=4,
     timeout_s=240,
     what="pipeline × data parallel on a 2 × 2 (pp, dp) mesh of 4 GPUs (NCCL): each replica == one "
-    "process; without the replicas' all-reduce they drift (04b section 6)",
+    "process, by hand, with DDP and with FSDP2 stages; without the replicas' all-reduce they drift "
+    "(04b section 6)",
 )
 def pp_dp_mesh(w: Where) -> dict:
     from mgtutorial.common.compare import max_abs_diff
@@ -1059,4 +1061,15 @@ def pp_dp_mesh(w: Where) -> dict:
         "without the all-reduce the replicas still equal one process: the check cannot fail",
         figures,
     )
+    for wrap in ("ddp", "fsdp"):  # the library's stage drives DDP and FSDP2 itself (04b)
+        run_cfg = pp_dp.PPDPConfig(**{**cfg.__dict__, "wrap": wrap, "n_microbatches": 4})
+        result = _run(pp_dp.worker, run_cfg, 4, w)
+        params = [pp_dp.replica_params(result.run_dir, run_cfg, d, 2) for d in range(2)]
+        figures[f"max_param_diff_{wrap}"] = [max_abs_diff(p, ref.state_dict()) for p in params]
+        figures[f"collectives_{wrap}"] = result.values[0]["collectives"]
+        expect(
+            max(figures[f"max_param_diff_{wrap}"]) < FP32_TOL["atol"],
+            f"a {wrap} replica differs from one process",
+            figures,
+        )
     return figures

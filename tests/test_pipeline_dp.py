@@ -42,6 +42,29 @@ def test_pp_dp_on_a_2x2_mesh_equals_one_process_and_needs_the_all_reduce(runs, n
     assert all(v["collectives"] == {} for v in out.values.values())
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "wrap, collectives",
+    [("ddp", {"all_reduce": 1}), ("fsdp", {"all_gather": 1, "reduce_scatter": 1})],
+)
+def test_library_wrapped_stages_equal_one_process_and_reduce_once_a_step(
+    wrap, collectives, runs, no_leftovers
+):
+    """The stage wrapped in DDP or sharded with FSDP2 over mesh["dp"], driven by the library's
+    stage: each replica equals one process, and each rank's step makes one reduction (DDP: one
+    bucket's all-reduce; FSDP: one reduce-scatter, one all-gather), not one per micro-batch."""
+    cfg = pp_dp.PPDPConfig(
+        dp=2, schedule="1f1b", n_microbatches=4, batch_size=32, steps=3, wrap=wrap
+    )
+    ref, _ = schedules.unsplit_reference(cfg)
+    res = launch(pp_dp.worker, cfg, 4, runs_dir=runs, threads_per_rank=1)
+    out = res.wait(timeout=180)
+    for d in range(2):
+        got = pp_dp.replica_params(res.run_dir, cfg, d, 2)
+        torch.testing.assert_close(got, ref.state_dict(), rtol=1e-5, atol=1e-6)
+    assert all(v["collectives"] == collectives for v in out.values.values())
+
+
 @pytest.mark.parametrize(
     "nprocs, fields, message",
     [
@@ -51,6 +74,8 @@ def test_pp_dp_on_a_2x2_mesh_equals_one_process_and_needs_the_all_reduce(runs, n
         (4, {"schedule": "interleaved"}, r"schedule='interleaved'"),
         (4, {"n_microbatches": 1}, r"1F1B needs n_microbatches ≥ stages: 1 < 2"),
         (4, {"dp": 0}, r"dp=0: must be at least 1"),
+        (4, {"wrap": "ddp", "all_reduce": False}, r"all_reduce=False .* only with wrap='hand'"),
+        (4, {"wrap": "ddp", "n_microbatches": 2}, r"n_microbatches ≥ 3"),
     ],
 )
 def test_pp_dp_config_refuses_with_the_value_and_the_fix(nprocs, fields, message, runs):

@@ -60,7 +60,13 @@ class PPDPConfig(Config):
     """Seed of the initial weights (one per sub-network, as in chapter 04a's ``init_subnets``)."""
     all_reduce: bool = True
     """Average each stage's gradients over its replicas; False: the replicas never exchange a
-    gradient (the negative control: they drift apart, and from one process)."""
+    gradient (the negative control: they drift apart, and from one process; ``wrap="hand"``
+    only)."""
+    wrap: Literal["hand", "ddp", "fsdp"] = "hand"
+    """Who averages the replicas' gradients: "hand", :func:`average_gradients` after the step's
+    last backward; "ddp", the stage wrapped in ``DistributedDataParallel`` over ``mesh["dp"]``;
+    "fsdp", the stage sharded over ``mesh["dp"]`` with ``fully_shard`` (FSDP2). The library's
+    stage drives the last two itself (its ``no_sync`` and FSDP hooks)."""
     backend: env.BackendChoice = "auto"
     """The process group's backend; "auto": NCCL with a GPU per rank, else gloo."""
     timeout_s: float = 60.0
@@ -78,6 +84,20 @@ class PPDPConfig(Config):
         at_least(self, 1, "dp", "n_microbatches", "batch_size", "steps")
         positive(self, "lr")
         check_timeout(self)
+        if self.wrap not in ("hand", "ddp", "fsdp") or (
+            self.wrap != "hand" and not self.all_reduce
+        ):
+            raise ValueError(
+                f"wrap={self.wrap!r}, all_reduce={self.all_reduce}: wrap is 'hand', 'ddp' or "
+                "'fsdp', and all_reduce=False (no gradient exchange) exists only with wrap='hand'."
+            )
+        if self.wrap == "ddp" and self.n_microbatches == 2:
+            # seen with torch 2.14.1 on gloo, GPipe and 1F1B alike: m = 3, 4 and 8 run
+            raise ValueError(
+                "wrap='ddp' with n_microbatches=2 stops at an internal assert of DDP's reducer "
+                "(rebuilt parameter indices) under torch.distributed.pipelining: use "
+                "n_microbatches ≥ 3, or wrap='hand' or 'fsdp'."
+            )
         dp, m = self.dp, self.n_microbatches
         if nprocs % dp or nprocs // dp < 2:
             raise ValueError(
@@ -111,6 +131,22 @@ def average_gradients(module: nn.Module, group: dist.ProcessGroup) -> None:
         p.grad /= replicas
 
 
+def wrap_replicas(stage: nn.Module, wrap: str, mesh) -> nn.Module:
+    """The module the pipeline stage runs: ``stage`` itself for "hand" (the worker all-reduces),
+    ``DistributedDataParallel(stage)`` over ``mesh["dp"]``'s group for "ddp", or ``stage``
+    sharded in place with FSDP2's ``fully_shard(stage, mesh=mesh["dp"])`` for "fsdp"; follows
+    test_pp_composability.py. The optimizer takes ``stage.parameters()`` in every case."""
+    if wrap == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(stage, process_group=mesh["dp"].get_group())
+    if wrap == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(stage, mesh=mesh["dp"])
+    return stage
+
+
 def worker(cfg: PPDPConfig) -> dict:
     """Stage s of replica d on rank ``s·dp + d`` of a ``("pp", "dp")`` mesh; trains ``cfg.steps``
     steps and writes the stage's parameters to ``<run dir>/replica<d>-stage<s>.pt``.
@@ -131,8 +167,9 @@ def worker(cfg: PPDPConfig) -> dict:
         mesh = init_device_mesh(ctx.device.type, (pp, cfg.dp), mesh_dim_names=("pp", "dp"))
         d, s = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
         stage = schedules.build_stage(cfg, s, pp).to(ctx.device)  # stage s, as in every replica
+        module = wrap_replicas(stage, cfg.wrap, mesh)
         schedule = library.make_schedule(
-            cfg.schedule, [stage], cfg.n_microbatches, s, pp, ctx.device, mesh["pp"].get_group()
+            cfg.schedule, [module], cfg.n_microbatches, s, pp, ctx.device, mesh["pp"].get_group()
         )
         opt = torch.optim.SGD(stage.parameters(), lr=cfg.lr)
         losses, counts = [], {}
@@ -143,14 +180,17 @@ def worker(cfg: PPDPConfig) -> dict:
             # counting mode's module hooks do not support
             with counting_mode() if step > 1 else contextlib.nullcontext() as mode:
                 loss = library.step(schedule, x, y, s, pp)
-                if cfg.all_reduce:
+                if cfg.wrap == "hand" and cfg.all_reduce:
                     average_gradients(stage, mesh["dp"].get_group())
             opt.step()
             counts = mode.counts() if mode is not None else counts
             if s == pp - 1:
                 losses.append(loss)
                 log.train(step=step, epoch=0, loss=loss, global_loss=loss, samples=len(x) * step)
-        torch.save(stage.state_dict(), runlog.run_dir() / f"replica{d}-stage{s}.pt")
+        full = {
+            k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in stage.state_dict().items()
+        }
+        torch.save(full, runlog.run_dir() / f"replica{d}-stage{s}.pt")  # FSDP's shards gathered
         return {
             "coords": [d, s],
             "losses": losses,

@@ -1,9 +1,8 @@
-"""Exercise 04b.4's checker (the 1F1B order): the solution passes, each classic wrong answer gets
+"""Exercise 04b.3's checker (the 1F1B order): the solution passes, each classic wrong answer gets
 its own hint, and no hint prints the expected order; the simulator it lays orders out with."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -49,7 +48,7 @@ def gpipe(stage, p, m):
 @pytest.mark.parametrize("solution", [one_f_one_b(), textbook], ids=["alternating", "textbook"])
 def test_1f1b_order_solution_passes(solution, capsys):
     ch04.one_f_one_b(solution)
-    assert capsys.readouterr().out.startswith("✓ 04b.4 the 1F1B order:")
+    assert capsys.readouterr().out.startswith("✓ 04b.3 the 1F1B order:")
 
 
 @pytest.mark.parametrize(
@@ -86,25 +85,46 @@ def test_lay_out_is_the_ideal_step_and_refuses_a_deadlock():
         bubble.lay_out([[("forward", 0), ("backward", 0)], [("backward", 0), ("forward", 0)]])
 
 
-BUBBLE_RIGHT = {(4, 8): 3 / 11, (8, 16): 7 / 23, (3, 6): 2 / 8}
+BUBBLE_RIGHT = {(4, 8): 3 / 11, (8, 16): 7 / 23}
+SLOW_RIGHT = {"span": 30, "bubble": 1 - 48 / 90}
 
 
-def test_bubble_solution_passes_and_the_other_convention_gets_its_hint(capsys):
-    ch04.bubble(BUBBLE_RIGHT, 3 / 8, 27)
+def test_bubble_solution_passes_and_wrong_answers_get_their_hint(capsys):
+    ch04.bubble(BUBBLE_RIGHT, SLOW_RIGHT, 27)
     assert capsys.readouterr().out.startswith("✓ 04a.1 bubble formula:")
-    relative = {k: (p - 1) / m for (p, m), k in zip(BUBBLE_RIGHT, BUBBLE_RIGHT)}
+    relative = {(p, m): (p - 1) / m for p, m in BUBBLE_RIGHT}
     with pytest.raises(ExerciseError, match="relative to the compute time"):
-        ch04.bubble(relative, 3 / 8, 27)
-    with pytest.raises(ExerciseError, match="fraction of the whole step"):
-        ch04.bubble(BUBBLE_RIGHT, 3 / 11, 27)  # the step's fraction given for the relative one
+        ch04.bubble(relative, SLOW_RIGHT, 27)
+    cases = [
+        ({"span": 18, "bubble": 1 / 3}, "the balanced pipeline's"),  # the formula's step
+        ({"span": 30, "bubble": 1 / 3}, "assumes equal stages"),
+        ({"span": 30, "bubble": 1 - 36 / 90}, "sum each stage's own busy time"),
+        ({"span": 26, "bubble": 0.5}, "lay the boxes out one by one"),
+        ({"span": 30}, "keys 'span'"),
+    ]
+    for slow, hint in cases:
+        with pytest.raises(ExerciseError, match=hint) as err:
+            ch04.bubble(BUBBLE_RIGHT, slow, 27)
+        msg = str(err.value)  # the expected span and bubble are never printed
+        assert (slow.get("span") == 30 or "30" not in msg) and "0.467" not in msg
     with pytest.raises(ExerciseError, match="a smaller m"):
-        ch04.bubble(BUBBLE_RIGHT, 3 / 8, 28)
+        ch04.bubble(BUBBLE_RIGHT, SLOW_RIGHT, 28)
+
+
+def test_bubble_slow_stage_is_what_lay_out_gives_for_gpipe_and_1f1b():
+    p, m, scale = ch04.SLOW
+    for schedule in ("gpipe", "1f1b"):
+        evs = bubble.lay_out([bubble.box_order(schedule, s, p, m) for s in range(p)], scale=scale)
+        assert max(e["end"] for e in evs) == 30
+        assert bubble.bubble_measured(evs) == pytest.approx(SLOW_RIGHT["bubble"])
+    balanced = bubble.lay_out([bubble.box_order("gpipe", s, p, m) for s in range(p)], scale=[1] * 3)
+    assert balanced == bubble.ideal_events("gpipe", p, m)
 
 
 def test_bubble_rounded_answer_gets_the_precision_hint_not_the_concept_one():
-    rounded = {(4, 8): 0.27, (8, 16): 0.30, (3, 6): 0.25}
+    rounded = {(4, 8): 0.27, (8, 16): 0.30}
     with pytest.raises(ExerciseError, match="close but not exact") as err:
-        ch04.bubble(rounded, 3 / 8, 4)
+        ch04.bubble(rounded, SLOW_RIGHT, 4)
     assert "0.2727" not in str(err.value) and "3 / 11" not in str(err.value)
 
 
@@ -155,82 +175,7 @@ def test_loss_weighting_wrong_answers_fail_with_their_hint(answer, hint):
     assert "reduction" not in str(err.value) and "sum" not in str(err.value)
 
 
-# --- 04b.1: peak activation bytes ---------------------------------------------------------------
-
-
-def peak_solution(schedule, stage, w, batch, m):
-    rows = batch // m
-    once = batch * w * 4 if stage == 0 else batch * 8
-    per_mb = rows * 2 * w * 4 if stage == 0 else rows * 3 * w * 4 + 4
-    held = m if schedule == "gpipe" else min(2 - stage, m)
-    return once + held * per_mb
-
-
-@pytest.fixture
-def breakdown_peaks(monkeypatch):
-    """The measured peaks of 04b.1's first pipeline replaced by the breakdown's (which
-    test_peak_breakdown_is_what_the_meter_measures holds against the measurement): no ranks."""
-
-    def peaks(ex, w, batch, m):
-        cases = itertools.product(("gpipe", "1f1b"), (0, 1))
-        return {(sch, s): ch04.peak_model(sch, s, w, batch, m) for sch, s in cases}
-
-    monkeypatch.setattr(ch04, "_measured_peaks", peaks)
-
-
-def test_peak_bytes_solution_passes(breakdown_peaks, capsys):
-    ch04.peak_bytes(peak_solution)
-    assert capsys.readouterr().out.startswith("✓ 04b.1 peak activation bytes:")
-
-
-A = ch04.PEAK_CASES[0]
-
-
-@pytest.mark.parametrize(
-    "answer, hint",
-    [
-        # right for the first pipeline only: its four numbers hard-coded
-        (
-            lambda sch, s, w, b, m: (
-                peak_solution(sch, s, *A) if (w, b, m) == A else peak_solution(sch, s, *A) + 1000
-            ),
-            "how it scales",
-        ),
-        # 1F1B holding m micro-batches, as GPipe does
-        (lambda sch, s, w, b, m: peak_solution("gpipe", s, w, b, m), "micro-batches held"),
-        # nll_loss's 4-byte total weight forgotten
-        (
-            lambda sch, s, w, b, m: (
-                peak_solution(sch, s, w, b, m) - 4 * (m if sch == "gpipe" else 1) * s
-            ),
-            "bytes each micro-batch keeps",
-        ),
-        # the targets held as float32
-        (lambda sch, s, w, b, m: peak_solution(sch, s, w, b, m) - 4 * b * s, "held once"),
-        (lambda sch, s, w, b, m: ..., "not written yet"),
-    ],
-    ids=["hard-coded", "1f1b-holds-m", "no-total-weight", "targets-float32", "..."],
-)
-def test_peak_bytes_wrong_answers_fail_with_their_hint(breakdown_peaks, answer, hint):
-    with pytest.raises(ExerciseError, match=hint) as err:
-        ch04.peak_bytes(answer)
-    keys = [(sch, s, *c) for c in ch04.PEAK_CASES for sch in ("gpipe", "1f1b") for s in (0, 1)]
-    given = {answer(*k) for k in keys}  # the learner's own numbers may be quoted
-    truths = {ch04.peak_model(*k) for k in keys} - given
-    assert not any(str(t) in str(err.value) for t in truths)  # no expected value printed
-
-
-@pytest.mark.timeout(240)
-def test_peak_breakdown_is_what_the_meter_measures(tmp_path, monkeypatch, no_leftovers):
-    """peak_model, which 04b.1 checks its second and third pipelines against, equals
-    ActivationMeter's measured peaks on all three (one step of GPipe and 1F1B, 2 ranks)."""
-    monkeypatch.chdir(tmp_path)  # the checker's runs go to ./runs/exercises
-    for w, batch, m in ch04.PEAK_CASES:
-        measured = ch04._measured_peaks("test", w, batch, m)
-        assert measured == {k: ch04.peak_model(*k, w, batch, m) for k in measured}
-
-
-# --- 04b.3: choosing m --------------------------------------------------------------------------
+# --- 04b.2: choosing m --------------------------------------------------------------------------
 
 
 def best_m_solution(p, F, B, o, batch):
@@ -244,7 +189,7 @@ def best_m_solution(p, F, B, o, batch):
 
 def test_choose_m_solution_passes(capsys):
     ch04.choose_m(best_m_solution)
-    assert capsys.readouterr().out.startswith("✓ 04b.3 choosing m:")
+    assert capsys.readouterr().out.startswith("✓ 04b.2 choosing m:")
 
 
 def _nearest_divisor(p, F, B, o, batch):

@@ -379,7 +379,7 @@ def test_naive_split_equals_unsplit_and_runs_one_stage_at_a_time():
 
 
 def test_split_checker_refuses_each_wrong_split_with_its_hint():
-    # exercise 04b.2's check; the solution passes, each mistake has its hint
+    # exercise 04b.1's check; the solution passes, each mistake has its hint
     import copy
 
     from torch import nn
@@ -402,7 +402,7 @@ def test_split_checker_refuses_each_wrong_split_with_its_hint():
     for hint, stages in wrong.items():
         with pytest.raises(ExerciseError, match=hint):
             check_split("ex", "f", mlp, stages, 2)
-    # 04b.2's last case: the most even split is not the one with the smallest largest stage
+    # 04b.1's last case: the most even split is not the one with the smallest largest stage
     mlp = models.ArticleMLP((16, 16, 64, 128, 32, 128))
     sizes = [models.count_parameters(s) for s in mlp.subnets]
     sub = mlp.subnets

@@ -1,13 +1,10 @@
 """Checkers of chapter 04's exercises (notebooks/04a_pipeline_gpipe.ipynb: 04a.1, 04a.2;
-notebooks/04b_pipeline_schedules.ipynb: 04b.1, 04b.2, 04b.3; 04b.4 in
-:mod:`mgtutorial.exercises.ch04_order`): the bubble formula, the
-peak activation bytes of each stage under GPipe and 1F1B, a balanced split of the MLP into
-stages, the weighting of micro-batch losses when padded rows do not count, and the choice of m
-for a given stage cost and delay between boxes."""
+notebooks/04b_pipeline_schedules.ipynb: 04b.1, 04b.2; 04b.3 in
+:mod:`mgtutorial.exercises.ch04_order`): the bubble of an ideal step (with a slow stage too), the
+weighting of micro-batch losses when padded rows do not count, a balanced split of the MLP into
+stages, and the choice of m for a given stage cost and delay between boxes."""
 
 from __future__ import annotations
-
-import itertools
 
 import torch
 from torch import nn
@@ -21,25 +18,34 @@ from mgtutorial.exercises._common import (
     close,
     passed,
     require,
-    run_ranks,
 )
-from mgtutorial.exercises.ch04_order import one_f_one_b  # noqa: F401  (04b.4)
+from mgtutorial.exercises.ch04_order import one_f_one_b  # noqa: F401  (04b.3)
 from mgtutorial.exercises.splits import check_split
-from mgtutorial.pipeline import schedules
-from mgtutorial.pipeline.bubble import bubble_formula, bubble_measured, ideal_events, step_span
+from mgtutorial.pipeline.bubble import (
+    box_order,
+    bubble_formula,
+    bubble_measured,
+    ideal_events,
+    lay_out,
+    step_span,
+)
 
-BUBBLE_CASES = ((4, 8), (8, 16), (3, 6))
+BUBBLE_CASES = ((4, 8), (8, 16))
 """(p stages, m micro-batches) whose ideal bubble 04a.1 asks for."""
+SLOW = (3, 4, [1, 1, 2])
+"""04a.1's unbalanced pipeline: p = 3 stages, m = 4 micro-batches, stage 2's boxes twice as long
+(a forward 1 unit and a backward 2 on stages 0 and 1, 2 and 4 on stage 2)."""
 
 
-def bubble(predicted: dict, relative, smallest_m) -> None:
+def bubble(predicted: dict, slow: dict, smallest_m) -> None:
     """04a.1: ``predicted[(p, m)]`` is the ideal GPipe bubble, as a fraction of the step, for p
-    stages and m micro-batches, for (4, 8), (8, 16) and (3, 6); ``relative`` is the same idle time
-    at p = 4, m = 8 relative to the compute time instead (Megatron-LM's convention, 04a section
-    4); ``smallest_m`` (an int) is the smallest m whose bubble (fraction of the step) at p = 4 is
-    at most 10 %. Verified against :func:`mgtutorial.pipeline.bubble.bubble_formula` and against
-    ideal GPipe and 1F1B steps whose boxes have no cost between them
-    (:func:`~mgtutorial.pipeline.bubble.ideal_events`)."""
+    stages and m micro-batches, for (4, 8) and (8, 16); ``slow`` is ``{"span": units, "bubble":
+    fraction}`` of one ideal GPipe step of :data:`SLOW`, a pipeline the formula does not cover
+    (its last stage twice as slow); ``smallest_m`` (an int) is the smallest m whose bubble at
+    p = 4 is at most 10 %. Verified against :func:`mgtutorial.pipeline.bubble.bubble_formula`, and
+    against ideal GPipe and 1F1B steps laid out box by box
+    (:func:`~mgtutorial.pipeline.bubble.lay_out`: each box starts as soon as its input has arrived
+    and its stage is free)."""
     ex = "04a.1 bubble formula"
     for p, m in BUBBLE_CASES:
         guess = answered(predicted.get((p, m)), ex, f"predicted[{(p, m)}]")
@@ -66,18 +72,39 @@ def bubble(predicted: dict, relative, smallest_m) -> None:
                 "slots of the whole step"
             ),
         )
-    rel = answered(relative, ex, "relative")
-    truth = bubble_formula(4, 8) / (1 - bubble_formula(4, 8))
-    _exact(ex, rel, truth, "relative (p=4, m=8)")
+    p, m, scale = SLOW
+    orders = [box_order("gpipe", s, p, m) for s in range(p)]
+    evs = lay_out(orders, scale=scale)
+    span = max(e["end"] for e in evs)
+    idle = bubble_measured(evs)
+    got = answered(slow, ex, "slow")
     require(
-        close(rel, truth, rel=1e-3, abs_=1e-3),
+        isinstance(got, dict) and {"span", "bubble"} <= set(got),
         ex,
-        f"relative = {rel!r} is not the idle time over the compute time at p=4, m=8"
+        f"slow = {got!r}: give a dict with keys 'span' (units) and 'bubble' (a fraction)",
+    )
+    require(
+        close(got["span"], span, rel=1e-6),
+        ex,
+        f"slow['span'] = {got['span']!r} is not the step's span: "
         + (
-            ": that is the fraction of the whole step; divide the same idle time by the busy "
-            "time instead"
-            if close(rel, bubble_formula(4, 8), rel=1e-3)
-            else ": how many slots does a stage idle, and how many does it compute?"
+            "that is the balanced pipeline's; the slow stage sets the pace of the middle of the "
+            "step, so lay the boxes out one by one (when can stage 2 start each box?)"
+            if close(got["span"], (m + p - 1) * 3, rel=1e-6)
+            else "lay the boxes out one by one: a box starts when its input has arrived and its "
+            "stage is free"
+        ),
+    )
+    _exact(ex, got["bubble"], idle, "slow['bubble']")
+    require(
+        close(got["bubble"], idle, rel=1e-3, abs_=1e-3),
+        ex,
+        f"slow['bubble'] = {got['bubble']!r} is not the idle fraction of that step: "
+        + (
+            "that is the formula's, which assumes equal stages"
+            if close(got["bubble"], bubble_formula(p, m), rel=1e-3)
+            else "sum each stage's own busy time (the slow stage's boxes are longer) and divide "
+            "by stages × span"
         ),
     )
     m = answered(smallest_m, ex, "smallest_m")
@@ -99,8 +126,8 @@ def bubble(predicted: dict, relative, smallest_m) -> None:
     passed(
         ex,
         f"{len(BUBBLE_CASES)} predictions equal (p−1)/(m+p−1) and the ideal GPipe and 1F1B steps, "
-        f"the idle time is {truth:.3f} of the compute time at p = 4, m = 8, and m = {m} is the "
-        "smallest with a bubble ≤ 10 % at p = 4",
+        f"the slow-stage step lasts {span:g} units with a bubble of {idle:.3f}, and m = {m} is "
+        "the smallest with a bubble ≤ 10 % at p = 4",
     )
 
 
@@ -114,114 +141,8 @@ def _exact(ex: str, guess, truth: float, where: str) -> None:
     )
 
 
-PEAK_CASES = ((128, 64, 8), (96, 48, 6), (64, 60, 5))
-"""(width w, batch, m) of the 2-stage pipelines ``sizes=[w] * 5`` 04b.1's function is checked
-on: the first measured, the others from the chapter's breakdown (:func:`peak_model`)."""
-
-
-def _stage_bytes(w: int, batch: int, m: int, stage: int) -> tuple[int, int]:
-    """(bytes held once per step, bytes per micro-batch held) of ``stage`` of a 2-stage pipeline of
-    ``sizes=[w] * 5``: stage 0 keeps the input batch and two ReLU outputs per micro-batch; stage 1
-    the int64 targets and, per micro-batch, its input, one ReLU output, the log-softmax output and
-    ``nll_loss``'s 4-byte total weight (04b section 3)."""
-    rows = batch // m
-    if stage == 0:
-        return batch * w * 4, rows * 2 * w * 4
-    return batch * 8, rows * 3 * w * 4 + 4
-
-
-def peak_model(schedule: str, stage: int, w: int, batch: int, m: int) -> int:
-    """The peak activation bytes of ``stage`` (0 or 1) of 2 under ``schedule`` ("gpipe" or
-    "1f1b") by 04b section 3's breakdown: held once, plus per micro-batch times the micro-batches
-    held at the peak (m under GPipe, min(p − s, m) under 1F1B). tests/test_exercises_ch04.py holds
-    it against ``ActivationMeter``'s measurement."""
-    fixed, per_mb = _stage_bytes(w, batch, m, stage)
-    held = m if schedule == "gpipe" else min(2 - stage, m)
-    return fixed + held * per_mb
-
-
-def _measured_peaks(ex: str, w: int, batch: int, m: int) -> dict:
-    """{(schedule, stage): peak activation bytes} of one step of each schedule on 2 ranks."""
-    peaks = {}
-    for schedule in ("gpipe", "1f1b"):
-        cfg = schedules.PipelineConfig(
-            schedule=schedule,
-            n_microbatches=m,
-            batch_size=batch,
-            steps=1,
-            sizes=[w] * 5,
-            save_params=False,
-        )
-        run = run_ranks(ex, schedules.worker, cfg, 2, name=f"peak-{schedule}", threads_per_rank=1)
-        for s, value in sorted(run.values.items()):
-            peaks[schedule, s] = value["peak_activation_bytes"]
-    return peaks
-
-
-def peak_bytes(peak) -> None:
-    """04b.1: ``peak(schedule, stage, w, batch, m)`` (an int) is the peak activation bytes of stage
-    0 or 1 of a 2-stage pipeline of ``sizes=[w] * 5`` under schedule "gpipe" or "1f1b", a batch of
-    ``batch`` rows in ``m`` micro-batches (float32 activations, int64 targets).
-
-    Checked on three pipelines (:data:`PEAK_CASES`): the first run on 2 ranks (one step of each
-    schedule, each stage's peak as ``ActivationMeter`` measures it), the others against the
-    chapter's breakdown (:func:`peak_model`). A wrong value is explained by the part of 04b
-    section 3's breakdown it misses (held once, per micro-batch, micro-batches held), never by the
-    number.
-    """
-    ex = "04b.1 peak activation bytes"
-    for case, (w, batch, m) in enumerate(PEAK_CASES):
-        truth = (
-            _measured_peaks(ex, w, batch, m)
-            if case == 0
-            else {
-                (sch, s): peak_model(sch, s, w, batch, m)
-                for sch, s in itertools.product(("gpipe", "1f1b"), (0, 1))
-            }
-        )
-        guesses = {}
-        for sch, s in itertools.product(("gpipe", "1f1b"), (0, 1)):
-            guesses[sch, s] = attempt(ex, peak, sch, s, w, batch, m)
-            require(
-                isinstance(guesses[sch, s], int),
-                ex,
-                f"peak({sch!r}, {s}, w={w}, batch={batch}, m={m}) returned "
-                f"{guesses[sch, s]!r}: give a number of bytes (an int)",
-            )
-        for s in (0, 1):
-            fixed, per_mb = _stage_bytes(w, batch, m, s)
-            require(
-                case > 0 or truth["gpipe", s] == peak_model("gpipe", s, w, batch, m),
-                ex,
-                f"stage {s} measured {truth['gpipe', s]} bytes, not the breakdown's: the "
-                "chapter's model or ActivationMeter changed; rerun section 3",
-            )
-            for sch in ("gpipe", "1f1b"):
-                guess = guesses[sch, s]
-                if guess == truth[sch, s]:
-                    continue
-                # GPipe and 1F1B hold the same bytes once and differ only in micro-batches held
-                if guesses["gpipe", s] - guesses["1f1b", s] == truth["gpipe", s] - truth["1f1b", s]:
-                    part = "the bytes held once, which both schedules hold"
-                elif (guess - fixed) % per_mb == 0:
-                    part = "the number of micro-batches held at the peak"
-                else:
-                    part = "the bytes each micro-batch keeps (every tensor saved, its dtype)"
-                raise ExerciseError(
-                    ex,
-                    f"peak({sch!r}, {s}, w={w}, batch={batch}, m={m}) = {guess!r} is not the "
-                    f"peak{' measured' if case == 0 else ''}; check {part} against 04b's "
-                    "breakdown for width 1024, and how it scales with w, batch and m",
-                )
-    passed(
-        ex,
-        f"{len(PEAK_CASES)} pipelines (the first measured on 2 ranks): every stage's peak under "
-        "GPipe and 1F1B, to the byte",
-    )
-
-
 def balanced_split(split_fn) -> None:
-    """04b.2: ``split_fn(mlp, k)`` returns ``k`` modules, the consecutive sub-networks of ``mlp``
+    """04b.1: ``split_fn(mlp, k)`` returns ``k`` modules, the consecutive sub-networks of ``mlp``
     (an :class:`~mgtutorial.common.models.ArticleMLP`) with the largest stage's parameter count as
     small as possible.
 
@@ -231,7 +152,7 @@ def balanced_split(split_fn) -> None:
     model's, whose forward one after the other equals the unsplit model's, and whose largest stage
     is the smallest possible (:func:`~mgtutorial.exercises.splits.check_split`).
     """
-    ex = "04b.2 balanced split"
+    ex = "04b.1 balanced split"
     for sizes, k in (
         ((1024, 512, 256, 100), 2),
         ((1024, 512, 256, 100), 3),
@@ -337,13 +258,13 @@ CHOOSE_CASES = (  # (p, F, B, o, batch): one stage's whole-batch forward, backwa
 
 
 def choose_m(best_m) -> None:
-    """04b.3: ``best_m(p, F, B, o, batch)`` returns ``(m, span)``: the micro-batch count m (a
+    """04b.2: ``best_m(p, F, B, o, batch)`` returns ``(m, span)``: the micro-batch count m (a
     divisor of ``batch``, as the library needs) whose step is shortest, and that step's span in
     seconds, for a stage whose whole-batch forward and backward take F and B seconds (so F/m and
     B/m per box) and a delay of o seconds before each box on the critical path (the decomposition
     of 04z: :func:`~mgtutorial.pipeline.bubble.step_span`). Verified against every divisor: the
     span must be m's own, and no divisor's shorter."""
-    ex = "04b.3 choosing m"
+    ex = "04b.2 choosing m"
     for p, f, b, o, batch in CHOOSE_CASES:
         call = f"best_m(p={p}, F={f}, B={b}, o={o}, batch={batch})"
         out = attempt(ex, best_m, p, f, b, o, batch)

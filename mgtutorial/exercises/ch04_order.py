@@ -1,4 +1,4 @@
-"""Checker of exercise 04b.4 (notebooks/04b_pipeline_schedules.ipynb): the 1F1B order of boxes on
+"""Checker of exercise 04b.3 (notebooks/04b_pipeline_schedules.ipynb): the 1F1B order of boxes on
 each stage, written by the learner and laid out with the chapter's own simulator
 (:func:`mgtutorial.pipeline.bubble.lay_out`). Called as ``ex.ch04.one_f_one_b``.
 
@@ -53,7 +53,7 @@ def _well_formed(ex: str, order, s: int, p: int, m: int) -> list[tuple[str, int]
 
 
 def one_f_one_b(order_fn) -> None:
-    """04b.4: ``order_fn(stage, p, m)`` returns the boxes stage ``stage`` of ``p`` runs in one 1F1B
+    """04b.3: ``order_fn(stage, p, m)`` returns the boxes stage ``stage`` of ``p`` runs in one 1F1B
     step with ``m`` micro-batches, in order, as ``("forward", i)`` / ``("backward", i)`` pairs.
 
     Verified for each case of :data:`ORDER_CASES` and each stage against
@@ -61,7 +61,7 @@ def one_f_one_b(order_fn) -> None:
     :func:`~mgtutorial.pipeline.bubble.lay_out` to say what it costs (a deadlock, a larger bubble,
     more micro-batches held).
     """
-    ex = "04b.4 the 1F1B order"
+    ex = "04b.3 the 1F1B order"
     for p, m in ORDER_CASES:
         orders = [_well_formed(ex, attempt(ex, order_fn, s, p, m), s, p, m) for s in range(p)]
         right = [box_order("1f1b", s, p, m) for s in range(p)]

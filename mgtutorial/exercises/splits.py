@@ -1,4 +1,4 @@
-"""Checks of a model split into pipeline stages, used by exercise 04b.2 (a balanced split,
+"""Checks of a model split into pipeline stages, used by exercise 04b.1 (a balanced split,
 notebooks/04b_pipeline_schedules.ipynb). The model is an
 :class:`~mgtutorial.common.models.ArticleMLP`, its blocks ``model.subnets``.
 """

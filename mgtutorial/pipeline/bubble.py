@@ -101,13 +101,16 @@ def ideal_events(
     return lay_out(orders, forward_s, backward_s)
 
 
-def lay_out(orders: list[list[tuple[str, int]]], forward_s=1.0, backward_s=2.0) -> list[dict]:
+def lay_out(
+    orders: list[list[tuple[str, int]]], forward_s=1.0, backward_s=2.0, scale=None
+) -> list[dict]:
     """An ideal step from each stage's order of boxes (``orders[s]``: ``(event, microbatch)``
     pairs, event "forward" or "backward", as :func:`box_order` gives them), as events sorted by
     start: every forward lasts ``forward_s``, every backward ``backward_s``, and a box starts the
     moment its :func:`producer` has ended and its stage is free (no cost between boxes). Draw it
-    with :func:`mgtutorial.pipeline.timeline.gantt`. Taught in 04a (GPipe) and 04b (exercise
-    04b.4: your own 1F1B order).
+    with :func:`mgtutorial.pipeline.timeline.gantt`. ``scale[s]`` (default all 1) multiplies stage
+    s's boxes: an unbalanced pipeline (exercise 04a.1's slow stage). Taught in 04a (GPipe) and 04b
+    (exercise 04b.3: your own 1F1B order).
 
     Raises:
         RuntimeError: the orders deadlock (a stage waits for a box that waits for it).
@@ -124,9 +127,8 @@ def lay_out(orders: list[list[tuple[str, int]]], forward_s=1.0, backward_s=2.0) 
                 if dep is not None and dep not in end:
                     break
                 start = max(end.get(dep, 0.0), free[s])
-                free[s] = end[s, event, i] = start + (
-                    forward_s if event == "forward" else backward_s
-                )
+                length = forward_s if event == "forward" else backward_s
+                free[s] = end[s, event, i] = start + length * (1 if scale is None else scale[s])
                 box = {"event": event, "stage": s, "rank": s, "microbatch": i, "step": 1}
                 evs.append({**box, "start": start, "end": free[s]})
                 pending[s].pop(0)

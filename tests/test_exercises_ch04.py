@@ -184,7 +184,7 @@ def best_m_solution(p, F, B, o, batch):
 
     divisors = [d for d in range(1, batch + 1) if batch % d == 0]
     m = min(divisors, key=span)
-    return m, span(m)
+    return (math.sqrt((p - 1) * (F + B) / (2 * o)) if o else math.inf), m, span(m)
 
 
 def test_choose_m_solution_passes(capsys):
@@ -192,34 +192,50 @@ def test_choose_m_solution_passes(capsys):
     assert capsys.readouterr().out.startswith("✓ 04b.2 choosing m:")
 
 
-def _nearest_divisor(p, F, B, o, batch):
+def _with(index, value):
+    """The solution with one of its three answers replaced by ``value(p, F, B, o, batch, out)``."""
+
+    def answer(p, F, B, o, batch):
+        out = list(best_m_solution(p, F, B, o, batch))
+        out[index] = value(p, F, B, o, batch, out)
+        if index == 1:  # a different m, with its own span
+            out[2] = bubble.step_span(p, out[1], F / out[1], B / out[1], o)
+        return tuple(out)
+
+    return answer
+
+
+def _nearest(p, F, B, o, batch, out):
     divisors = [d for d in range(1, batch + 1) if batch % d == 0]
-    if o == 0:
-        m = batch
-    else:
-        m = min(divisors, key=lambda d: abs(d - math.sqrt((p - 1) * (F + B) / (2 * o))))
-    return m, bubble.step_span(p, m, F / m, B / m, o)
+    return batch if o == 0 else min(divisors, key=lambda d: abs(d - out[0]))
 
 
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        (lambda p, F, B, o, batch: best_m_solution(p, F, B, o, batch)[0], "a pair"),
+        (lambda p, F, B, o, batch: best_m_solution(p, F, B, o, batch)[1:], "best real m, m, span"),
+        (_with(0, lambda p, F, B, o, batch, out: out[1]), "give math.inf"),  # the divisor, o = 0
+        (  # a search's answer for the real m (the best divisor) where o > 0
+            _with(0, lambda p, F, B, o, batch, out: out[1] if o else out[0]),
+            "closed form",
+        ),
         (  # the right m, its span without the delays
-            lambda p, F, B, o, batch: (
-                (m := best_m_solution(p, F, B, o, batch)[0]),
-                (m + p - 1) * (F + B) / m,
-            ),
+            _with(2, lambda p, F, B, o, batch, out: (out[1] + p - 1) * (F + B) / out[1]),
             "delays included",
         ),
-        (_nearest_divisor, "not their distances"),
-        (
-            lambda p, F, B, o, batch: (batch, bubble.step_span(p, batch, F / batch, B / batch, o)),
-            "balance",
-        ),
-        (lambda p, F, B, o, batch: (7, 1.0), "divisor of the batch"),
+        (_with(1, _nearest), "not their distances"),
+        (_with(1, lambda p, F, B, o, batch, out: batch), "next to the best real m"),
+        (_with(1, lambda p, F, B, o, batch, out: 7), "divisor of the batch"),
     ],
-    ids=["m-only", "span-without-delays", "nearest-divisor", "largest-m", "not-a-divisor"],
+    ids=[
+        "two-answers",
+        "real-m-for-o-0",
+        "real-m-searched",
+        "span-without-delays",
+        "nearest-divisor",
+        "largest-m",
+        "not-a-divisor",
+    ],
 )
 def test_choose_m_wrong_answers_fail_with_their_hint(answer, hint):
     with pytest.raises(ExerciseError, match=hint):

@@ -6,6 +6,8 @@ stages, and the choice of m for a given stage cost and delay between boxes."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -258,22 +260,36 @@ CHOOSE_CASES = (  # (p, F, B, o, batch): one stage's whole-batch forward, backwa
 
 
 def choose_m(best_m) -> None:
-    """04b.2: ``best_m(p, F, B, o, batch)`` returns ``(m, span)``: the micro-batch count m (a
-    divisor of ``batch``, as the library needs) whose step is shortest, and that step's span in
-    seconds, for a stage whose whole-batch forward and backward take F and B seconds (so F/m and
-    B/m per box) and a delay of o seconds before each box on the critical path (the decomposition
-    of 04z: :func:`~mgtutorial.pipeline.bubble.step_span`). Verified against every divisor: the
-    span must be m's own, and no divisor's shorter."""
+    """04b.2: ``best_m(p, F, B, o, batch)`` returns ``(m_real, m, span)``: the best real number
+    of micro-batches (where the span's derivative in m is zero; ``math.inf`` when o = 0), the
+    micro-batch count m (a divisor of ``batch``, as the library needs) whose step is shortest, and
+    that step's span in seconds, for a stage whose whole-batch forward and backward take F and B
+    seconds (so F/m and B/m per box) and a delay of o seconds before each box on the critical path
+    but the first (the decomposition of 04z: :func:`~mgtutorial.pipeline.bubble.step_span`).
+    Verified: m_real against the closed form, the span against m's own, and m against every
+    divisor."""
     ex = "04b.2 choosing m"
     for p, f, b, o, batch in CHOOSE_CASES:
         call = f"best_m(p={p}, F={f}, B={b}, o={o}, batch={batch})"
         out = attempt(ex, best_m, p, f, b, o, batch)
         require(
-            isinstance(out, tuple) and len(out) == 2,
+            isinstance(out, tuple) and len(out) == 3,
             ex,
-            f"{call} returned {out!r}: return a pair (m, span in seconds)",
+            f"{call} returned {out!r}: return (best real m, m, span in seconds)",
         )
-        m, predicted = out
+        m_real, m, predicted = out
+        exact = math.sqrt((p - 1) * (f + b) / (2 * o)) if o else math.inf
+        require(
+            m_real == exact if o == 0 else close(m_real, exact, rel=1e-6),
+            ex,
+            f"{call}: {m_real!r} is not the best real m: "
+            + (
+                "with o = 0 the span only shrinks as m grows (give math.inf)"
+                if o == 0
+                else "write the span as a function of m, set its derivative to zero and solve "
+                "for m (a closed form, not a search)"
+            ),
+        )
         require(
             isinstance(m, int) and m >= 1 and batch % m == 0,
             ex,
@@ -289,7 +305,7 @@ def choose_m(best_m) -> None:
         best = min(span.values())
         if span[m] <= best * (1 + 1e-9):
             continue
-        below = max(d for d in span if d * d <= (p - 1) * (f + b) / (2 * o)) if o else batch
+        below = max(d for d in span if d <= exact) if o else batch
         above = min((d for d in span if d > below), default=below)
         why = (
             "with o = 0 the step only shrinks as m grows"
@@ -297,7 +313,8 @@ def choose_m(best_m) -> None:
             else "of the two divisors around the best real m, yours has the longer step: compare "
             "their spans, not their distances to it"
             if m in (below, above)
-            else "the delays grow with m while the fill and drain shrink: where do the two balance?"
+            else "the delays grow with m while the fill and drain shrink: look next to the best "
+            "real m"
         )
         raise ExerciseError(
             ex,
@@ -306,6 +323,6 @@ def choose_m(best_m) -> None:
         )
     passed(
         ex,
-        f"{len(CHOOSE_CASES)} cases: each m gives the shortest step of all the divisors, and its "
-        "span is that step's",
+        f"{len(CHOOSE_CASES)} cases: the best real m is the closed form's, each m gives the "
+        "shortest step of all the divisors, and its span is that step's",
     )

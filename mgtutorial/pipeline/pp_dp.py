@@ -92,11 +92,11 @@ class PPDPConfig(Config):
                 "'fsdp', and all_reduce=False (no gradient exchange) exists only with wrap='hand'."
             )
         if self.wrap == "ddp" and self.n_microbatches == 2:
-            # seen with torch 2.14.1 on gloo, GPipe and 1F1B alike: m = 3, 4 and 8 run
+            # seen with torch 2.14.1 on gloo, pp = 2, GPipe and 1F1B alike: m = 3, 4 and 8 run
             raise ValueError(
                 "wrap='ddp' with n_microbatches=2 stops at an internal assert of DDP's reducer "
-                "(rebuilt parameter indices) under torch.distributed.pipelining: use "
-                "n_microbatches ≥ 3, or wrap='hand' or 'fsdp'."
+                "(rebuilt parameter indices) under torch.distributed.pipelining (seen with "
+                "pp = 2): use n_microbatches ≥ 3, or wrap='hand' or 'fsdp'."
             )
         dp, m = self.dp, self.n_microbatches
         if nprocs % dp or nprocs // dp < 2:

@@ -50,7 +50,7 @@ def restore_config(checkpoint: str, path: str = "") -> RestoreConfig:
     SIGKILL-ed after step ``FAIL_STEP`` of the first attempt."""
     job = dict(dataset="digits", epochs=1, max_steps=STEPS, evaluate=False, backend="gloo")
     fault = dict(checkpoint_every=EVERY, fail_rank=1, fail_step=FAIL_STEP, fail_how="sigkill")
-    return RestoreConfig(**job, **fault, timeout_s=30, checkpoint=checkpoint, path=path)
+    return RestoreConfig(**job, **fault, timeout_s=15, checkpoint=checkpoint, path=path)
 
 
 class RestoringTrainer(elastic.ElasticTrainer):

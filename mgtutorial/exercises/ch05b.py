@@ -56,7 +56,8 @@ def restore_config(checkpoint: str, path: str = "") -> RestoreConfig:
 class RestoringTrainer(elastic.ElasticTrainer):
     """:class:`mgtutorial.scale.elastic.ElasticTrainer` that resumes with the learner's
     ``restore(path, model, optimizer, device) -> {"epoch", "step", "batch", "samples"}`` when a
-    snapshot exists. Raises ValueError (in the rank) if the progress lacks one of those keys."""
+    snapshot exists. Raises ValueError (in the rank) if the progress lacks one of those keys, or
+    counts no samples for a snapshot taken after step 0."""
 
     def __init__(self, *args, restore):
         super().__init__(*args)  # cfg.resume is False: the Trainer restored nothing itself
@@ -69,6 +70,12 @@ class RestoringTrainer(elastic.ElasticTrainer):
                     f"the snapshot holds, a dict with {list(PROGRESS)}"
                 )
             progress = [int(progress[k]) for k in PROGRESS]
+            if progress[1] > 0 and progress[3] == 0:  # a run that resumed has trained samples
+                raise ValueError(
+                    f"restore returned 'samples': 0 for a snapshot of step {progress[1]}: return "
+                    "the samples the snapshot holds (the records count on from it, and a rank "
+                    "with 0 counts as not resumed)"
+                )
             self.first_epoch, self.step, self.skip, self.samples = progress
             self.first_samples = self.samples
             self.log.resume(

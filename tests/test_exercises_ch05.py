@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from mgtutorial.exercises import ExerciseError, ch05a, ch05b
+from mgtutorial.exercises import ExerciseError, ch05a, ch05b, ch05c
 
 
 def right_ranks(node_rank, nprocs):
@@ -90,3 +90,34 @@ def test_restore_keyed_on_the_restart_count_fails_where_the_counts_differ(
     assert "(restart counts 0 and 1)" in capsys.readouterr().out
     with pytest.raises(ExerciseError, match="05b.1 resume after a kill: .*keyed.py"):
         ch05b.resume_after_kill(str(keyed), runs_dir=str(tmp_path / "runs"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_last_step_skipped_asks_what_ended_the_wait_not_a_helper_s_class(capsys, no_leftovers):
+    """05c.2: the answer is what ended rank 0's wait, told from gloo's own error (which is a
+    RuntimeError either way), not the class hang_worker re-raises it as."""
+    right = {"failing_rank": 0, "ended_by": "timeout", "detail_names_rank": 1}
+    ch05c.last_step_skipped(right)
+    assert "its collective timeout" in capsys.readouterr().out
+    for wrong, hint in [
+        (dict(right, ended_by="peer gone"), "was not ended by 'peer gone'"),
+        (dict(right, ended_by="TimeoutError"), "answer 'timeout' or 'peer gone'"),
+    ]:
+        with pytest.raises(ExerciseError, match=hint) as info:
+            ch05c.last_step_skipped(wrong)
+        assert "'timeout'" not in str(info.value) or "answer 'timeout' or" in str(info.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_restore_returning_no_samples_is_named_as_the_cause(tmp_path, no_leftovers):
+    zero = tmp_path / "zero.py"
+    zero.write_text(
+        textwrap.dedent(RESTORE.format(guard="pass")).replace(
+            'return {k: state[k] for k in ("epoch", "step", "batch", "samples")}',
+            'return {**{k: state[k] for k in ("epoch", "step", "batch")}, "samples": 0}',
+        )
+    )
+    with pytest.raises(ExerciseError, match="restore returned 'samples': 0 for a snapshot of step"):
+        ch05b.resume_after_kill(str(zero), runs_dir=str(tmp_path / "runs"))

@@ -378,6 +378,7 @@ def test_sbatch_builds_srun_torchrun_command():
     assert srun.split() == [
         "srun",
         "--kill-on-bad-exit=1",
+        "--cpus-per-task=16",  # srun does not inherit it from sbatch (Slurm >= 22.05)
         "torchrun",
         "--nnodes",
         "2",

@@ -88,8 +88,8 @@ def ranks_of(fn) -> None:
                     require(
                         row[key] == want[key],
                         ex,
-                        f"{where}, local rank {want['LOCAL_RANK']}: "
-                        f"torchrun sets {key}={want[key]}, you gave {row[key]}: {hint}",
+                        f"{where}, local rank {want['LOCAL_RANK']}: your {key}={row[key]} is "
+                        f"not the one torchrun sets: {hint}",
                     )
     passed(
         ex,
@@ -202,7 +202,7 @@ def slurm_mapping(fn) -> None:
             require(
                 str(got[key]) == truth[key],
                 ex,
-                f"{job}: ddp.sbatch gives {key} {truth[key]}, you gave {got[key]}: read the "
+                f"{job}: your {key} {got[key]!r} is not what ddp.sbatch gives: read the "
                 "script's line that sets it from the SLURM variables (not the values of the "
                 "example above)",
             )
@@ -283,14 +283,14 @@ def agent_store(predicted: dict) -> None:
         require(
             (value is None) == (seen is None) and str(value) == str(seen),
             ex,
-            f"{mode}: rank 1 saw TORCHELASTIC_USE_AGENT_STORE {shown.get(seen, f'= {seen}')}, "
-            f"not {shown.get(value, f'= {value}')}: read the rendezvous handler's "
+            f"{mode}: rank 1 did not see TORCHELASTIC_USE_AGENT_STORE "
+            f"{shown.get(value, f'= {value!r}')}: read the rendezvous handler's "
             "use_agent_store (dynamic_rendezvous)",
         )
         require(
             guess["store host"] == host,
             ex,
-            f"{mode}: the store at MASTER_ADDR:MASTER_PORT is hosted by the {host}, not the "
+            f"{mode}: the store at MASTER_ADDR:MASTER_PORT is not hosted by the "
             f"{guess['store host']}: read torch.distributed.rendezvous._create_c10d_store",
         )
     passed(

@@ -2,12 +2,14 @@
 snapshot after a rank is killed.
 
 05b.1's ranks run :class:`mgtutorial.scale.elastic.ElasticTrainer` with the learner's ``restore``;
-its checker replays ``torchrun --max-restarts 1`` with :func:`mgtutorial.launch` (warm ranks).
+its checker replays ``torchrun --max-restarts 1`` on two nodes with :func:`mgtutorial.launch` (warm
+ranks), each rank with the restart count its own node's agent gives it (section 1 of the notebook).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from mgtutorial import ddp
@@ -26,6 +28,10 @@ from mgtutorial.scale.output import short
 
 STEPS, EVERY, FAIL_STEP = 12, 4, 10  # snapshots at steps 4 and 8; rank 1 is killed after step 10
 PROGRESS = ("epoch", "step", "batch", "samples")  # what ``restore`` returns, as saved
+RESTART_COUNTS = {0: (0, 0), 1: (0, 1)}
+"""Attempt -> the ``TORCHELASTIC_RESTART_COUNT`` of ranks 0 and 1, one rank per node: in the
+restart, the killed rank's agent counts it (1), the other node's agent restarts its healthy rank
+for the membership change and does not (0), as in section 1's run of the notebook."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -34,6 +40,9 @@ class RestoreConfig(elastic.ElasticConfig):
 
     path: str = ""
     """The file holding ``restore(path, model, optimizer, device)`` (imported in each rank)."""
+    restart_counts: tuple[int, ...] = ()
+    """``TORCHELASTIC_RESTART_COUNT`` per rank, as each rank's node's agent would set it (empty:
+    the launcher's, the same for every rank)."""
 
 
 def restore_config(checkpoint: str, path: str = "") -> RestoreConfig:
@@ -41,13 +50,14 @@ def restore_config(checkpoint: str, path: str = "") -> RestoreConfig:
     SIGKILL-ed after step ``FAIL_STEP`` of the first attempt."""
     job = dict(dataset="digits", epochs=1, max_steps=STEPS, evaluate=False, backend="gloo")
     fault = dict(checkpoint_every=EVERY, fail_rank=1, fail_step=FAIL_STEP, fail_how="sigkill")
-    return RestoreConfig(**job, **fault, timeout_s=30, checkpoint=checkpoint, path=path)
+    return RestoreConfig(**job, **fault, timeout_s=15, checkpoint=checkpoint, path=path)
 
 
 class RestoringTrainer(elastic.ElasticTrainer):
     """:class:`mgtutorial.scale.elastic.ElasticTrainer` that resumes with the learner's
     ``restore(path, model, optimizer, device) -> {"epoch", "step", "batch", "samples"}`` when a
-    snapshot exists. Raises ValueError (in the rank) if the progress lacks one of those keys."""
+    snapshot exists. Raises ValueError (in the rank) if the progress lacks one of those keys, or
+    counts no samples for a snapshot taken after step 0."""
 
     def __init__(self, *args, restore):
         super().__init__(*args)  # cfg.resume is False: the Trainer restored nothing itself
@@ -60,6 +70,12 @@ class RestoringTrainer(elastic.ElasticTrainer):
                     f"the snapshot holds, a dict with {list(PROGRESS)}"
                 )
             progress = [int(progress[k]) for k in PROGRESS]
+            if progress[1] > 0 and progress[3] == 0:  # a run that resumed has trained samples
+                raise ValueError(
+                    f"restore returned 'samples': 0 for a snapshot of step {progress[1]}: return "
+                    "the samples the snapshot holds (the records count on from it, and a rank "
+                    "with 0 counts as not resumed)"
+                )
             self.first_epoch, self.step, self.skip, self.samples = progress
             self.first_samples = self.samples
             self.log.resume(
@@ -70,6 +86,9 @@ class RestoringTrainer(elastic.ElasticTrainer):
 def restore_worker(cfg: RestoreConfig) -> dict:
     """One rank of 05b.1: the elastic job, resumed by ``restore`` from the file ``cfg.path``."""
     restore = function_from(cfg.path, "restore", "05b.1")
+    if cfg.restart_counts:  # one node per rank: each agent's own count
+        count = cfg.restart_counts[int(os.environ["RANK"])]
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(count)
     with env.distributed(cfg.backend, cfg.timeout_s) as ctx:
         model, train_set, test_set, optimizer = ddp.build(cfg, ctx)
         trainer = RestoringTrainer(model, train_set, test_set, optimizer, ctx, cfg, restore=restore)
@@ -91,11 +110,11 @@ def wait_failure(ex: str, run, timeout: float, hint: str) -> WorkerFailed | None
 
 
 def _attempt(ex: str, cfg: RestoreConfig, runs_dir: str, restart: int):
-    """Run attempt ``restart`` of 05b.1's job (2 ranks); return its records (by time) and its
-    :class:`WorkerFailed`, or None."""
+    """Run attempt ``restart`` of 05b.1's job (2 ranks, each with its agent's count of
+    :data:`RESTART_COUNTS`); return its records (by time) and its :class:`WorkerFailed`, or None."""
     name = f"ex05b-restore-attempt{restart}"
-    restart_env = {"TORCHELASTIC_RESTART_COUNT": str(restart)}
-    run = launch(restore_worker, cfg, 2, runs_dir=runs_dir, name=name, extra_env=restart_env)
+    cfg = dataclasses.replace(cfg, restart_counts=RESTART_COUNTS[restart])
+    run = launch(restore_worker, cfg, 2, runs_dir=runs_dir, name=name)
     hint = f"attempt {restart}: does `restore` block, or load a file other than `path`?"
     failure = wait_failure(ex, run, 120, hint)
     return sorted(runlog.read_run(run.run_dir), key=lambda rec: rec["time"]), failure
@@ -106,12 +125,13 @@ def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exer
     :func:`mgtutorial.common.checkpoint.save_checkpoint` into the (DDP) model and the optimizer and
     returns its progress ``{"epoch", "step", "batch", "samples"}`` (ints).
 
-    Replays ``torchrun --max-restarts 1`` with :func:`mgtutorial.launch`: attempt 0 with rank 1
-    killed after step 10, then attempt 1 (``TORCHELASTIC_RESTART_COUNT=1``) on the same snapshot
-    file. Verifies from the records that both restarted ranks resumed at the last snapshot (step 8,
-    its batch), counted the samples of the steps trained twice as the first attempt did, trained
-    steps 9 … 12, and that the final parameters equal a single process trained on the combined
-    batches.
+    Replays ``torchrun --max-restarts 1`` on two nodes with :func:`mgtutorial.launch`: attempt 0
+    with rank 1 killed after step 10, then attempt 1 on the same snapshot file, where rank 0 gets
+    ``TORCHELASTIC_RESTART_COUNT=0`` and rank 1 gets 1 (:data:`RESTART_COUNTS`: each node's agent
+    counts for itself). Verifies from the records that both restarted ranks resumed at the last
+    snapshot (step 8, its batch), whatever their count, counted the samples of the steps trained
+    twice as the first attempt did, trained steps 9 … 12, and that the final parameters equal a
+    single process trained on the combined batches.
     """
     import torch
 
@@ -139,6 +159,9 @@ def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exer
     )
     resumes = [rec for rec in after if rec["kind"] == "resume"]
     require(resumes, ex, "the restarted ranks logged no resume: did the snapshot file exist?")
+    counts = {rec["rank"]: rec["attempt"] for rec in resumes}
+    if counts != dict(enumerate(RESTART_COUNTS[1])):  # the replay itself, not the learner's code
+        raise RuntimeError(f"05b.1's replay gave the ranks the restart counts {counts}")
     snap = [rec for rec in before if rec["kind"] == "checkpoint"][-1]
     last = snap["step"]
     for rec in resumes:
@@ -179,6 +202,6 @@ def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exer
     )
     passed(
         ex,
-        f"rank 1 killed after step {FAIL_STEP}, both ranks resumed at step {last}, and the "
-        f"parameters after step {STEPS} equal an uninterrupted run's",
+        f"rank 1 killed after step {FAIL_STEP}, both ranks resumed at step {last} (restart counts "
+        f"0 and 1), and the parameters after step {STEPS} equal an uninterrupted run's",
     )

@@ -37,8 +37,9 @@ class ElasticConfig(DDPConfig):
     """Also save a snapshot to ``checkpoint`` every this many steps, mid-epoch (0: only at epoch
     ends, as chapter 02 does)."""
     pause_s: float = 0.0
-    """Sleep this long after each step: a slow job, so that a node started later finds it still
-    running (the membership change of notebooks/05b)."""
+    """Sleep this long after each step while the job has a single rank: a slow job, so that a node
+    started later finds it still running (the membership change of notebooks/05b); once the world
+    has grown, the steps run at full speed."""
     fail_rank: int = -1
     """Fault injection for the lessons and tests: this rank fails …"""
     fail_step: int = -1
@@ -87,7 +88,8 @@ class ElasticTrainer(Trainer):
         if cfg.checkpoint and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
             if done < len(self.loader):  # the epoch's end has its own checkpoint
                 self._save(epoch, done)
-        time.sleep(cfg.pause_s)
+        if self.ctx.world_size == 1:  # alone: slow, until another node joins
+            time.sleep(cfg.pause_s)
         fresh = self.first_samples == 0  # this run did not resume from a snapshot
         if (self.ctx.rank, self.step) == (cfg.fail_rank, cfg.fail_step) and fresh:
             if cfg.fail_how == "sigkill":  # no exception, no clean-up: as the OOM killer does it

@@ -227,6 +227,26 @@ def ddp_step_time(
     }
 
 
+def ddp_added_time(bucket_bytes: list[int], alpha: float, beta: float, own_s: float) -> dict:
+    """What DDP adds to a step of ranks that already train in lockstep, where the all-reduces run
+    on the cores that compute (gloo on a CPU): nothing is hidden, every bucket's α + β·bytes is
+    paid, plus DDP's own work on the training thread.
+
+    ``own_s``: DDP's own work per step (s), its autograd hooks and the copies of the gradients
+    into the flat buckets and back, measured as a DDP model on a world of one minus the plain
+    model (:func:`mgtutorial.perf.sweeps.ddp_own_worker`); ``alpha`` (s) and ``beta`` (s/byte)
+    from :func:`fit_alpha_beta`, in wall or CPU time alike.
+
+    Returns a dict (seconds): ``all_reduces`` (Σ α + β·bytes), ``own`` and ``added`` (their sum).
+    Raises ValueError for a negative ``own_s``. Taught in notebooks/09b_measurement.ipynb (section
+    1); https://pytorch.org/docs/stable/notes/ddp.html.
+    """
+    if own_s < 0:
+        raise ValueError(f"own_s={own_s}: DDP's own work is a duration, ≥ 0 s.")
+    comm = sum(alpha_beta_time(b, alpha, beta) for b in bucket_bytes)
+    return {"all_reduces": comm, "own": own_s, "added": comm + own_s}
+
+
 @dataclass(frozen=True)
 class Hardware:
     """Published numbers of one GPU and its links (predictions only; see ``sources``)."""

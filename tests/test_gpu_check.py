@@ -81,7 +81,7 @@ def test_select_by_gpu_count_and_names():
 
 def test_registry_covers_one_and_two_gpu_items():
     names = list(ITEMS)
-    assert len(names) == len(set(names)) == 18
+    assert len(names) == len(set(names)) == 19
     assert {
         "nccl_world_size_1",
         "ddp_cuda0_vs_cpu",

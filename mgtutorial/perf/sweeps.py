@@ -329,13 +329,18 @@ class OwnConfig(Config):
 
 def ddp_own_worker(cfg: OwnConfig) -> dict:
     """DDP's own work per step on the training thread: the same model and batch, plain and
-    wrapped in DDP on a world of one (gloo), stepped in turn (either first); there is no other rank to wait
-    for, so what DDP adds is its autograd hooks and the copies of the gradients into the flat
-    buckets and back. Each pair of steps runs under the same load, so the
-    median of the pairs' differences is kept. Returns ``batch_size``, ``plain_s`` (median step,
-    the training thread's CPU time, s), ``own_s`` (median difference DDP − plain over forward +
-    backward + optimizer step; at least 0, a negative median being noise) and ``fwd_s``, ``bwd_s``, ``opt_s`` (the same per phase), the
-    input of :func:`costmodel.ddp_added_time`."""
+    wrapped in DDP on a world of one (gloo), stepped in turn (either first); there is no other
+    rank to wait for, so what DDP adds is its autograd hooks and the copies of the gradients into
+    the flat buckets and back. Each pair of steps runs under the same load, so the median of the
+    pairs' differences is kept.
+
+    Returns a dict: ``batch_size``; ``plain_s`` (the plain step's median, the training thread's
+    CPU time, s); ``own_s`` (median difference DDP − plain over forward + backward + optimizer
+    step, at least 0: a negative median is noise), the input of
+    :func:`costmodel.ddp_added_time`; ``fwd_s``, ``bwd_s``, ``opt_s`` (the same per phase).
+    Taught in notebooks/09b_measurement.ipynb (section 1);
+    https://pytorch.org/docs/stable/notes/ddp.html.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     from mgtutorial.common import models

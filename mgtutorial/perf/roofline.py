@@ -32,12 +32,24 @@ def _timed(fn, repeats: int) -> float:
         torch.set_num_threads(before)
 
 
-def memory_bandwidth(nbytes: int = 128 * 2**20, repeats: int = 5) -> float:
-    """Bytes per second of a float32 copy of ``nbytes`` (read + write counted), one thread, the
-    fastest of ``repeats``: at 128 MiB (4× the L3 cache here) it is DRAM's bandwidth."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _timed(lambda: dst.copy_(src), repeats)
+def memory_bandwidth(sizes: list[int], repeats: int = 20) -> float:
+    """A bandwidth roof: bytes per second of the fastest read-and-write stream one thread
+    achieves, over float32 buffers of each of ``sizes`` bytes, two element-wise kernels of the
+    kind a roofline judges (``copy_`` and a ReLU, ``clamp_min(·, 0)``, written into a
+    preallocated output; read + write counted), the fastest of ``repeats`` calls each. A roof
+    is a ceiling, so the best of all is kept: sizes far beyond the L3 cache give DRAM's roof,
+    sizes well inside it the cache's. Raises ValueError for an empty ``sizes`` or fewer than 1
+    repeat. Taught in notebooks/09a_cost_model.ipynb (section 5)."""
+    if not sizes or repeats < 1:
+        raise ValueError(f"sizes={sizes}, repeats={repeats}: need at least one size and repeat.")
+    best = 0.0
+    for nbytes in sizes:
+        src = torch.ones(nbytes // 4)
+        dst = torch.empty_like(src)
+        calls = (lambda s=src, d=dst: d.copy_(s), lambda s=src, d=dst: torch.clamp_min(s, 0, out=d))
+        for call in calls:
+            best = max(best, 2 * nbytes / _timed(call, repeats))
+    return best
 
 
 def l3_bytes() -> int | None:

@@ -265,16 +265,18 @@ class Hardware:
     memory_bytes: float = 0.0
     """Bytes of GPU memory (HBM) per GPU."""
     nics_per_node: int = 1
-    """Network ports per node, each at ``inter_bw``. NCCL runs one ring (channel) per port and
-    each ring leaves a node once, so the ports share a ring collective's inter-node traffic."""
+    """Network ports per node, each at ``inter_bw``. A ring over k nodes crosses k node
+    boundaries, leaving each node once through one port; NCCL runs one ring (channel) per port,
+    so the ports carry a ring collective's inter-node traffic side by side."""
 
     def ring_bw(self, n_gpus: int, per_node: int | None = None) -> float:
         """Bus bandwidth (B/s per direction) of a ring over ``n_gpus``, ``per_node`` of them in
         each node (default: as many as fit, ``min(n_gpus, gpus_per_node)``).
 
-        Inside one node: ``intra_bw``. Across nodes, each ring leaves every node once and the
-        node's ports are shared by the ``gpus_per_node / per_node`` groups that communicate at
-        the same time (e.g. the 8 data-parallel groups of a TP = 8 layout): ``min(intra_bw,
+        Inside one node: ``intra_bw``. Across nodes, each ring leaves every node once (k node
+        boundaries crossed over k nodes), one ring per port, and the node's ports are shared by
+        the ``gpus_per_node / per_node`` groups that communicate at the same time (e.g. the 8
+        data-parallel groups of a TP = 8 layout): ``min(intra_bw,
         nics_per_node × inter_bw × per_node / gpus_per_node)``. The one model of the links for
         chapters 08 and 09: a whole DGX H100 node reaches 8 × 50 GB/s, a group with one GPU per
         node 50 GB/s, and with one port per node 1/8 of that.

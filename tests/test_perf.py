@@ -118,6 +118,14 @@ def test_ddp_added_time_by_hand():
         costmodel.ddp_added_time([1], 0.5, 1.0, -0.1)
 
 
+def test_added_verdict_on_constructed_numbers():
+    assert costmodel.added_verdict(2.0, 9.0, 2.5).startswith("not resolved")  # spread ≥ predicted
+    assert costmodel.added_verdict(2.0, 2.2, 0.1) == "✓"  # within 15 %
+    assert costmodel.added_verdict(2.0, 2.4, 0.5) == "✓"  # outside 15 %, within the spread
+    assert costmodel.added_verdict(2.0, 3.0, 0.1) == "✗ model below"
+    assert costmodel.added_verdict(2.0, 1.0, 0.1) == "✗ model above"
+
+
 def test_own_config_refuses_more_than_one_rank_and_bad_sizes():
     with pytest.raises(ValueError, match="nprocs=2"):
         sweeps.OwnConfig().validate(2)

@@ -247,6 +247,19 @@ def ddp_added_time(bucket_bytes: list[int], alpha: float, beta: float, own_s: fl
     return {"all_reduces": comm, "own": own_s, "added": comm + own_s}
 
 
+def added_verdict(predicted: float, measured: float, spread: float, rel: float = 0.15) -> str:
+    """What one run can say about the cost DDP adds (any unit, the same for all three): measured
+    = DDP − lockstep, ``spread`` = the difference between two identical lockstep runs, the least
+    change a run can resolve. "not resolved" when ``spread`` ≥ ``predicted``; else "✓" when
+    ``|predicted − measured|`` ≤ max(``rel`` × predicted, ``spread``), "✗ model below" or
+    "✗ model above" otherwise. Taught in notebooks/09b_measurement.ipynb (section 1)."""
+    if spread >= predicted:
+        return "not resolved (spread ≥ predicted)"
+    if abs(predicted - measured) <= max(rel * predicted, spread):
+        return "✓"
+    return "✗ model " + ("below" if predicted < measured else "above")
+
+
 @dataclass(frozen=True)
 class Hardware:
     """Published numbers of one GPU and its links (predictions only; see ``sources``)."""

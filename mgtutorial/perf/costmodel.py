@@ -249,15 +249,16 @@ def ddp_added_time(bucket_bytes: list[int], alpha: float, beta: float, own_s: fl
 
 def added_verdict(predicted: float, measured: float, spread: float, rel: float = 0.15) -> str:
     """What one run can say about the cost DDP adds (any unit, the same for all three): measured
-    = DDP − lockstep, ``spread`` = the difference between two identical lockstep runs, the least
-    change a run can resolve. "not resolved" when ``spread`` ≥ ``predicted``; else "✓" when
-    ``|predicted − measured|`` ≤ max(``rel`` × predicted, ``spread``), "✗ model below" or
-    "✗ model above" otherwise. Taught in notebooks/09b_measurement.ipynb (section 1)."""
+    = DDP − lockstep; ``spread`` = the difference between two identical lockstep runs, one
+    pair's estimate of the noise. "✗ model below" or "✗ model above" when ``|predicted −
+    measured|`` > ``spread`` + ``rel`` × predicted (a miss larger than the noise); otherwise
+    "not resolved" when ``spread`` ≥ ``predicted`` (the noise could hide the whole term), else
+    "✓". Taught in notebooks/09b_measurement.ipynb (section 1)."""
+    if abs(predicted - measured) > spread + rel * predicted:
+        return "✗ model " + ("below" if predicted < measured else "above")
     if spread >= predicted:
         return "not resolved (spread ≥ predicted)"
-    if abs(predicted - measured) <= max(rel * predicted, spread):
-        return "✓"
-    return "✗ model " + ("below" if predicted < measured else "above")
+    return "✓"
 
 
 @dataclass(frozen=True)

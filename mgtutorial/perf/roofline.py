@@ -65,7 +65,7 @@ def l3_bytes() -> int | None:
 def cnn_kernels(model, batch: int, repeats: int = 7) -> list[dict]:
     """The forward kernels of :class:`mgtutorial.common.models.ArticleCNN` on ``batch`` images
     of 3×32×32, each timed alone (fastest of ``repeats``, one thread): dicts of ``name``,
-    ``flops``, ``bytes`` (float32 inputs, weights, outputs), ``seconds``, ``intensity``
+    ``flops``, ``bytes`` (float32 inputs, weights, biases, outputs), ``seconds``, ``intensity``
     (FLOPs per byte) and ``flops_per_s``."""
     x = torch.randn(batch, 3, 32, 32)
     conv = model.conv1(x)
@@ -73,13 +73,19 @@ def cnn_kernels(model, batch: int, repeats: int = 7) -> list[dict]:
     pool = F.max_pool2d(relu, 2)
     flat = pool.flatten(1)
     hid = model.fc1(flat)
-    w1, w2 = model.fc1.weight, model.fc2.weight
-    kernels = [  # name, call, FLOPs, tensors read and written
-        ("conv1", lambda: model.conv1(x), 2 * conv.numel() * 3 * 25, (x, model.conv1.weight, conv)),
+    out = model.fc2(hid)
+    conv1, fc1, fc2 = model.conv1, model.fc1, model.fc2
+    kernels = [  # name, call, FLOPs, tensors read and written (weights and biases included)
+        ("conv1", lambda: conv1(x), 2 * conv.numel() * 3 * 25, (x, conv1.weight, conv1.bias, conv)),
         ("relu", lambda: torch.relu(conv), conv.numel(), (conv, relu)),
         ("max_pool", lambda: F.max_pool2d(relu, 2), relu.numel(), (relu, pool)),
-        ("fc1", lambda: model.fc1(flat), 2 * batch * w1.numel(), (flat, w1, hid)),
-        ("fc2", lambda: model.fc2(hid), 2 * batch * w2.numel(), (hid, w2)),
+        (
+            "fc1",
+            lambda: fc1(flat),
+            2 * batch * fc1.weight.numel(),
+            (flat, fc1.weight, fc1.bias, hid),
+        ),
+        ("fc2", lambda: fc2(hid), 2 * batch * fc2.weight.numel(), (hid, fc2.weight, fc2.bias, out)),
     ]
     rows = []
     with torch.no_grad():

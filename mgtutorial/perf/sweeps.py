@@ -335,9 +335,12 @@ def ddp_own_worker(cfg: OwnConfig) -> dict:
     pairs' differences is kept.
 
     Returns a dict: ``batch_size``; ``plain_s`` (the plain step's median, the training thread's
-    CPU time, s); ``own_s`` (median difference DDP − plain over forward + backward + optimizer
-    step, at least 0: a negative median is noise), the input of
-    :func:`costmodel.ddp_added_time`; ``fwd_s``, ``bwd_s``, ``opt_s`` (the same per phase).
+    CPU time, s); ``own_raw_s`` (median difference DDP − plain of that CPU time over forward +
+    backward + optimizer step) and ``own_s`` (the same, at least 0: a negative median is noise),
+    the input of :func:`costmodel.ddp_added_time` for CPU time; ``own_wall_s`` (the median
+    difference of the same steps' wall time, ``perf_counter``, at least 0), its input for wall
+    time;
+    ``fwd_s``, ``bwd_s``, ``opt_s`` (the CPU difference per phase).
     Taught in notebooks/09b_measurement.ipynb (section 1);
     https://pytorch.org/docs/stable/notes/ddp.html.
     """
@@ -351,10 +354,11 @@ def ddp_own_worker(cfg: OwnConfig) -> dict:
         wrapped = DistributedDataParallel(models.ArticleCNN(in_shape=(3, 32, 32)))
         pair = [(m, torch.optim.SGD(m.parameters(), lr=0.01)) for m in (plain, wrapped)]
         x, y = torch.randn(cfg.batch_size, 3, 32, 32), torch.randint(0, 10, (cfg.batch_size,))
-        diffs, plains = [], []
+        diffs, plains, walls = [], [], []
         for i in range(3 + cfg.repeats):
-            phases = []
+            phases, wall = [], []
             for model, opt in pair if i % 2 else pair[::-1]:  # either first, in turn
+                t0 = time.perf_counter()
                 c0 = time.thread_time()
                 opt.zero_grad(set_to_none=True)
                 loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -363,14 +367,20 @@ def ddp_own_worker(cfg: OwnConfig) -> dict:
                 c2 = time.thread_time()
                 opt.step()
                 phases.append((c1 - c0, c2 - c1, time.thread_time() - c2))
+                wall.append(time.perf_counter() - t0)
             plain_p, ddp_p = phases if i % 2 else phases[::-1]
+            plain_w, ddp_w = wall if i % 2 else wall[::-1]
             if i >= 3:
                 diffs.append([d - p for p, d in zip(plain_p, ddp_p)])
                 plains.append(sum(plain_p))
+                walls.append(ddp_w - plain_w)
         med = [statistics.median(d[k] for d in diffs) for k in range(3)]
+        raw = statistics.median(sum(d) for d in diffs)
         return {
             "batch_size": cfg.batch_size,
             "plain_s": statistics.median(plains),
-            "own_s": max(0.0, statistics.median(sum(d) for d in diffs)),
+            "own_s": max(0.0, raw),
+            "own_raw_s": raw,
+            "own_wall_s": max(0.0, statistics.median(walls)),
             **dict(zip(("fwd_s", "bwd_s", "opt_s"), med)),
         }

@@ -151,8 +151,8 @@ def mistake(values: dict, max_norm: float) -> str | None:
             return f"step {k}: " + WAYS[way].format(r=bad, norm=norm, max_norm=max_norm)
         return (
             f"step {k}: rank {bad}'s shard.grad differs from one process's clipped gradient "
-            f"slice by {errors['clipped']:.2g}: reduce-scatter, ÷ N, all-reduce the squared "
-            "norm, scale"
+            f"slice by {errors['clipped']:.2g}: compare, step by step, the norm you clip by with "
+            "the norm of the whole averaged gradient (section 3's step, exercise text)"
         )
     return None
 

@@ -37,6 +37,10 @@ STEP = """shard.grad = grad
 opt.step()
 dist.all_gather_single(flat, shard.detach().clone())
 """
+FULL_NORM = """g = flat_grad.clone()  # the norm from an all-reduce of the whole gradient
+dist.all_reduce(g)
+grad = grad * (max_norm / ((g / ctx.world_size).norm() + 1e-6)).clamp(max=1)
+"""
 STEPS = {
     "unclipped": RS + DIV + STEP,
     "local_norm": RS + DIV + LOCAL + STEP,
@@ -44,6 +48,7 @@ STEPS = {
     "no_divide": RS + CLIP + STEP,
     "no_gather": RS + DIV + CLIP + STEP.replace("dist.all_gather_single", "pass  #"),
     "all_reduce_then_slice": AR + DIV + CLIP + STEP,
+    "full_gradient_norm": RS + DIV + FULL_NORM + STEP,
 }
 
 
@@ -87,6 +92,7 @@ def test_padded_bytes_refuses_a_malformed_answer_before_launching():
         ("no_divide", "step 3: shard.grad is the clipped SUM over ranks"),
         ("no_gather", "outside its slice"),
         ("all_reduce_then_slice", None),
+        ("full_gradient_norm", "moved [254] elements"),  # N·S of the flat gradient
     ],
 )
 def test_zero1_clipped_variants(variant, hint, tmp_path, capsys, no_leftovers, monkeypatch):

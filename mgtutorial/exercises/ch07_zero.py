@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,12 @@ def clip_step_worker(cfg: FileWorkerConfig) -> dict:
     with env.distributed(cfg.backend) as ctx:
         net = model.make_model(scfg).to(ctx.device)
         z = zero.ZeRO(net, ctx, 1, lr=scfg.lr)
-        seen, given, counts, after_first = [], [], [], []
+        seen, given, counts, after_first, sizes = [], [], [], [], []
+        real_all_reduce = dist.all_reduce
+
+        def spy_all_reduce(tensor, *args, **kwargs):  # the elements of each all-reduce
+            sizes[-1].append(tensor.numel())
+            return real_all_reduce(tensor, *args, **kwargs)
 
         def shard_grad(*_):
             seen.append(None if z.slice.grad is None else z.slice.grad.detach().cpu().clone())
@@ -78,7 +84,8 @@ def clip_step_worker(cfg: FileWorkerConfig) -> dict:
         def step():
             # this rank's gradients, before the learner's step
             given.append(z.flat_grad.detach().clone())
-            with counting_mode() as mode:
+            sizes.append([])
+            with counting_mode() as mode, mock.patch.object(dist, "all_reduce", spy_all_reduce):
                 step_fn(z.flat, z.flat_grad, z.slice, z.opt, ctx, max_norm)
             counts.append(mode.counts())
             after_first[:] = after_first or [z.flat.detach().cpu().clone()]
@@ -103,6 +110,8 @@ def clip_step_worker(cfg: FileWorkerConfig) -> dict:
         return {
             "steps": len(seen),
             "counts": counts,
+            "all_reduce_numels": sizes,
+            "flat_numel": z.flat.numel(),
             "grad_none": none,
             "norms": mean.norm(dim=-1).tolist(),
             "ways": None
@@ -214,6 +223,16 @@ def zero1_clipped(path: str = "ex07_zero.py", max_norm: float = 1.5) -> None:
                 "needs one reduction of the gradients (reduce-scatter), one all-reduce of the "
                 "squared norm (one number) and one all-gather of the parameters",
             )
+            numels = sorted(v["all_reduce_numels"][step])
+            if len(numels) == kinds.get("all_reduce", 0):  # seen through dist.all_reduce
+                want = [1] if "reduce_scatter" in kinds else [1, v["flat_numel"]]
+                require(
+                    numels == want,
+                    ex,
+                    f"rank {rank}'s all-reduces in step {step} moved {numels} elements: what "
+                    "must each rank send for the global norm, against what it already holds "
+                    "after the reduce-scatter (section 3 counts the bytes)?",
+                )
     how = (
         "1 reduce-scatter + 1 all-reduce of the squared norm + 1 all-gather per step"
         if "reduce_scatter" in kinds

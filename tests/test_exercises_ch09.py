@@ -32,24 +32,25 @@ def _ratio(ring: bool, share: bool):
 )
 def test_crossover_hints_name_the_mistake_not_the_factor(ring, share, hint):
     with pytest.raises(ExerciseError, match="^09b.3 crossover: ") as err:
-        ch09.crossover(_ratio(ring, share), {"dgx_h100": 8, "one_port": 8})
+        ch09.crossover(_ratio(ring, share), {"dgx_h100": 8, "pcie": 2})
     assert hint in err.value.hint and "2(n − 1)" not in err.value.hint
     assert "1/tp" not in err.value.hint
 
 
 def test_crossover_solution_passes(capsys):
-    ch09.crossover(_ratio(True, True), {"dgx_h100": 8, "one_port": 8})
+    ch09.crossover(_ratio(True, True), {"dgx_h100": 8, "pcie": 2})
     out = capsys.readouterr().out
-    assert "up to tp = 8 on DGX H100 nodes and 8 with one port per node" in out
-    assert "at tp = 12 the ratio is 0.74 and 5.9" in out
+    assert "up to tp = 8 on DGX H100 nodes and 2 over PCIe" in out
+    assert "the ratio is 0.74 (tp = 12, a group that straddles two nodes) and 0.84 (tp = 3)" in out
 
 
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        ({"dgx_h100": 12, "one_port": 8}, "ratio = 0.738 > 0.5"),
-        ({"dgx_h100": 4, "one_port": 8}, "a larger divisor of 96 still has ratio ≤ 0.5"),
-        ({"dgx_h100": 10, "one_port": 8}, "does not divide the 96 heads"),
+        ({"dgx_h100": 12, "pcie": 2}, "ratio = 0.738 > 0.5"),
+        ({"dgx_h100": 4, "pcie": 2}, "a larger divisor of 96 still has ratio ≤ 0.5"),
+        ({"dgx_h100": 10, "pcie": 2}, "does not divide the 96 heads"),
+        ({"dgx_h100": 8, "pcie": 8}, "ratio = 2.93 > 0.5"),  # NVLink's answer on PCIe
     ],
 )
 def test_crossover_hints_for_the_degree(answer, hint):

@@ -21,7 +21,7 @@ import dataclasses
 
 from mgtutorial.exercises._common import answered, attempt, close, passed, require
 from mgtutorial.exercises.ch09_buckets import CAP_MB, buckets
-from mgtutorial.exercises.ch09_crossover import LINKS, N_HEADS, crossover
+from mgtutorial.exercises.ch09_crossover import LINKS, N_HEADS, PCIE_BW, crossover
 from mgtutorial.exercises.ch09_layout import layout_choice
 from mgtutorial.exercises.ch09_timing import FakeDevice, timing
 from mgtutorial.perf import costmodel, scaling
@@ -31,6 +31,7 @@ __all__ = [
     "CAP_MB",
     "LINKS",
     "N_HEADS",
+    "PCIE_BW",
     "READY",
     "RING_SIZES",
     "STEP",

@@ -34,19 +34,24 @@ def _timed(fn, repeats: int) -> float:
 
 def memory_bandwidth(sizes: list[int], repeats: int = 20) -> float:
     """A bandwidth roof: bytes per second of the fastest read-and-write stream one thread
-    achieves, over float32 buffers of each of ``sizes`` bytes, two element-wise kernels of the
-    kind a roofline judges (``copy_`` and a ReLU, ``clamp_min(·, 0)``, written into a
-    preallocated output; read + write counted), the fastest of ``repeats`` calls each. A roof
-    is a ceiling, so the best of all is kept: sizes far beyond the L3 cache give DRAM's roof,
-    sizes well inside it the cache's. Raises ValueError for an empty ``sizes`` or fewer than 1
-    repeat. Taught in notebooks/09a_cost_model.ipynb (section 5)."""
+    achieves, over float32 buffers of each of ``sizes`` bytes, element-wise kernels of the kind
+    a roofline judges (``copy_``, a ReLU written into a preallocated output, ``clamp_min(·, 0,
+    out=)``, and ``torch.relu`` allocating its output, as a model's forward does; read + write
+    counted), the fastest of ``repeats`` calls each. A roof is a ceiling, so the best of all is
+    kept: sizes far beyond the L3 cache give DRAM's roof, sizes well inside it the cache's.
+    Raises ValueError for an empty ``sizes`` or fewer than 1 repeat. Taught in
+    notebooks/09a_cost_model.ipynb (section 5)."""
     if not sizes or repeats < 1:
         raise ValueError(f"sizes={sizes}, repeats={repeats}: need at least one size and repeat.")
     best = 0.0
     for nbytes in sizes:
         src = torch.ones(nbytes // 4)
         dst = torch.empty_like(src)
-        calls = (lambda s=src, d=dst: d.copy_(s), lambda s=src, d=dst: torch.clamp_min(s, 0, out=d))
+        calls = (  # a copy, a ReLU into a preallocated output, a ReLU that allocates its own
+            lambda s=src, d=dst: d.copy_(s),
+            lambda s=src, d=dst: torch.clamp_min(s, 0, out=d),
+            lambda s=src: torch.relu(s),
+        )
         for call in calls:
             best = max(best, 2 * nbytes / _timed(call, repeats))
     return best

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -70,11 +69,6 @@ def clip_step_worker(cfg: FileWorkerConfig) -> dict:
         net = model.make_model(scfg).to(ctx.device)
         z = zero.ZeRO(net, ctx, 1, lr=scfg.lr)
         seen, given, counts, after_first, sizes = [], [], [], [], []
-        real_all_reduce = dist.all_reduce
-
-        def spy_all_reduce(tensor, *args, **kwargs):  # the elements of each all-reduce
-            sizes[-1].append(tensor.numel())
-            return real_all_reduce(tensor, *args, **kwargs)
 
         def shard_grad(*_):
             seen.append(None if z.slice.grad is None else z.slice.grad.detach().cpu().clone())
@@ -84,10 +78,11 @@ def clip_step_worker(cfg: FileWorkerConfig) -> dict:
         def step():
             # this rank's gradients, before the learner's step
             given.append(z.flat_grad.detach().clone())
-            sizes.append([])
-            with counting_mode() as mode, mock.patch.object(dist, "all_reduce", spy_all_reduce):
+            with counting_mode() as mode:
                 step_fn(z.flat, z.flat_grad, z.slice, z.opt, ctx, max_norm)
             counts.append(mode.counts())
+            # float32 elements of each all-reduce, read where CommDebugMode counts it
+            sizes.append([b_in // 4 for b_in, _ in mode.sizes.get("all_reduce", [])])
             after_first[:] = after_first or [z.flat.detach().cpu().clone()]
 
         model.train(net, step, scfg, ctx, z.zero_grad)
@@ -137,12 +132,9 @@ WAYS = {
 }
 """A way of clipping that a mistake leads to → the hint it gets."""
 
-RIGHT_COUNTS = (
-    {"reduce_scatter": 1, "all_reduce": 1, "all_gather": 1},
-    {"all_reduce": 2, "all_gather": 1},
-)
-"""The collectives of one clipped ZeRO-1 step: the gradients reduce-scattered (or all-reduced,
-1.5× the bytes), the squared norm all-reduced, the parameters all-gathered."""
+RIGHT_COUNTS = {"reduce_scatter": 1, "all_reduce": 1, "all_gather": 1}
+"""The collectives of one clipped ZeRO-1 step: the gradients reduce-scattered, the squared norm
+all-reduced (one number), the parameters all-gathered."""
 
 
 def mistake(values: dict, max_norm: float) -> str | None:
@@ -216,28 +208,29 @@ def zero1_clipped(path: str = "ex07_zero.py", max_norm: float = 1.5) -> None:
             f"{v['final_diff']:.2g}: does every step do the same thing?",
         )
         for step, kinds in enumerate(v["counts"]):
+            numels = sorted(v["all_reduce_numels"][step])
             require(
-                kinds in RIGHT_COUNTS,
+                "reduce_scatter" in kinds or numels[-1:] != [v["flat_numel"]],
+                ex,
+                f"rank {rank} all-reduced the whole gradient in step {step} and kept a slice: "
+                "section 3 counts what that sends against a reduce-scatter; ZeRO-1 needs only "
+                "its slice of the sum",
+            )
+            require(
+                kinds == RIGHT_COUNTS,
                 ex,
                 f"rank {rank} ran {kinds or 'no collectives'} in step {step}: clipped ZeRO-1 "
                 "needs one reduction of the gradients (reduce-scatter), one all-reduce of the "
                 "squared norm (one number) and one all-gather of the parameters",
             )
-            numels = sorted(v["all_reduce_numels"][step])
-            if len(numels) == kinds.get("all_reduce", 0):  # seen through dist.all_reduce
-                want = [1] if "reduce_scatter" in kinds else [1, v["flat_numel"]]
-                require(
-                    numels == want,
-                    ex,
-                    f"rank {rank}'s all-reduces in step {step} moved {numels} elements: what "
-                    "must each rank send for the global norm, against what it already holds "
-                    "after the reduce-scatter (section 3 counts the bytes)?",
-                )
-    how = (
-        "1 reduce-scatter + 1 all-reduce of the squared norm + 1 all-gather per step"
-        if "reduce_scatter" in kinds
-        else "2 all-reduces (gradients, squared norm) + 1 all-gather per step (1.5× the bytes)"
-    )
+            require(
+                numels == [1],
+                ex,
+                f"rank {rank}'s all-reduce in step {step} moved {numels} elements: what must "
+                "each rank send for the global norm, against what it already holds after the "
+                "reduce-scatter (section 3 counts the bytes)?",
+            )
+    how = "1 reduce-scatter + 1 all-reduce of the squared norm + 1 all-gather per step"
     binds = [k for k, norm in enumerate(values[0]["norms"]) if norm > max_norm]
     passed(
         ex,

@@ -4,7 +4,8 @@ Each repeat is one all-reduce sweep (α–β fitted on the fastest call, in wall
 process's CPU time) and one 2-rank job of :func:`mgtutorial.perf.sweeps.step_worker` that trains,
 per per-rank batch in turn, "lockstep" (independent ranks with a barrier after every step) and
 "ddp". Predicted DDP step = lockstep step (its barrier stands for the logging's all-reduce) +
-the buckets' α + β·S + the bucket copies (measured once); the same terms in CPU time predict
+the buckets' α + β·S + DDP's own work (hooks, bucket copies; measured once on a world of
+one, :func:`mgtutorial.perf.sweeps.ddp_own_worker`); the same terms in CPU time predict
 DDP's CPU time per step. Writes, per batch, the median over repeats of predicted / measured in
 both clocks, and the load average.
 Run, not asserted on::
@@ -21,31 +22,25 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import torch
-
 from mgtutorial import launch
 from mgtutorial.common import models
-from mgtutorial.perf import costmodel, scaling, sweeps, timing
+from mgtutorial.perf import costmodel, scaling, sweeps
 
 SIZES = [4096 * 4**i for i in range(6)]  # 4 KiB … 4 MiB, as 09b
 
 
-def copy_seconds() -> float:
-    """Gradients into one flat bucket and back, one thread, the fastest of 20 calls."""
-    model = models.ArticleCNN(in_shape=(3, 32, 32))
-    grads = [torch.randn_like(p) for p in model.parameters()]
-    flat = torch.empty(sum(g.numel() for g in grads))
-
-    def copies():
-        torch.cat([g.view(-1) for g in grads], out=flat)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.view(-1).copy_(part)
-
-    torch.set_num_threads(1)
-    return min(timing.time_op(copies, torch.device("cpu"), warmup=2, repeats=20))
+def own_seconds(runs: Path) -> float:
+    """DDP's own work per step (hooks, bucket copies): DDP on a world of one against the plain
+    model, the median of 300 pairs of one-image steps (:func:`sweeps.ddp_own_worker`)."""
+    cfg = sweeps.OwnConfig()
+    return (
+        launch(sweeps.ddp_own_worker, cfg, 1, runs_dir=runs, threads_per_rank=1)
+        .wait()
+        .values[0]["own_s"]
+    )
 
 
-def one_repeat(batches: list[int], runs: Path, copies: float) -> dict[int, dict]:
+def one_repeat(batches: list[int], runs: Path, own: float) -> dict[int, dict]:
     """Predicted / measured DDP step per batch, wall and CPU, from one sweep and one step job."""
     opts = dict(runs_dir=runs, threads_per_rank=1)
     sweep_cfg = sweeps.SweepConfig(ops=["all_reduce"], sizes=SIZES, repeats=10, backend="gloo")
@@ -57,10 +52,7 @@ def one_repeat(batches: list[int], runs: Path, copies: float) -> dict[int, dict]
     }
     grads = [p.numel() * 4 for p in reversed(list(models.ArticleCNN().parameters()))]
     buckets = costmodel.bucket_layout(grads, 25 * 2**20, 2**20)
-    added = {
-        k: sum(costmodel.alpha_beta_time(b, *fit) for b in buckets) + copies
-        for k, fit in fits.items()
-    }
+    added = {k: costmodel.ddp_added_time(buckets, *fit, own)["added"] for k, fit in fits.items()}
     modes = ("lockstep", "ddp")
     variants = [{"batch_size": b, "mode": m} for b in batches for m in modes]
     step_cfg = sweeps.StepConfig(
@@ -87,11 +79,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="sweeps + step jobs (default 3)")
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     args = parser.parse_args()
-    copies = copy_seconds()
     reps = []
     with tempfile.TemporaryDirectory(prefix="mgtutorial-step-model-") as tmp:
+        own = own_seconds(Path(tmp))
         for i in range(args.repeats):
-            reps.append(one_repeat(args.batches, Path(tmp), copies))
+            reps.append(one_repeat(args.batches, Path(tmp), own))
             print(
                 f"[{i + 1}/{args.repeats}]",
                 {b: {k: round(v, 2) for k, v in r.items()} for b, r in reps[-1].items()},
@@ -99,7 +91,7 @@ def main() -> None:
             )
     result = {
         "load_average": os.getloadavg(),
-        "copies_s": copies,
+        "own_s": own,
         "by_batch": {
             str(b): {
                 k: statistics.median(r[b][k] for r in reps) for k in ("wall_ratio", "cpu_ratio")

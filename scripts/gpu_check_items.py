@@ -905,6 +905,42 @@ def fsdp2_parity(w: Where) -> dict:
 
 
 @item(
+    "fsdp2_meta_init",
+    chapter="07b_fsdp2",
+    min_gpus=2,
+    timeout_s=120,
+    what="meta-device init on all GPUs: build on meta, fully_shard, to_empty(cuda), "
+    "reset_parameters with one seed (DTensor's RNG tracker): shard bytes == formula, "
+    "weights within 1/√fan_in, no two rows equal",
+)
+def fsdp2_meta_init(w: Where) -> dict:
+    from mgtutorial.sharding.worker import ShardConfig, worker
+
+    cfg = ShardConfig(parts=["meta"], batch_size=2 * w.nprocs, backend=w.backend)
+    values = _run(worker, cfg, w.nprocs, w).values
+    metas = [values[r]["meta"] for r in sorted(values)]
+    figures = {
+        "ranks": len(metas),
+        "before": metas[0]["before"]["device"],
+        "params_bytes": [m["params_bytes"] for m in metas],
+        "formula": [m["formula"] for m in metas],
+    }
+    expect(all(m["before"]["device"] == "meta" for m in metas), "not built on meta", figures)
+    expect(
+        figures["params_bytes"] == figures["formula"],
+        "shard bytes differ from the formula",
+        figures,
+    )
+    expect(all(m["within_init_bound"] for m in metas), "a weight outside 1/√fan_in", figures)
+    expect(
+        all(m["distinct_rows"] for m in metas),
+        "two rows equal: shards drew the same numbers",
+        figures,
+    )
+    return figures
+
+
+@item(
     "ring_attention",
     chapter="10a_context_parallel",
     min_gpus=2,

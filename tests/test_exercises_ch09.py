@@ -32,24 +32,25 @@ def _ratio(ring: bool, share: bool):
 )
 def test_crossover_hints_name_the_mistake_not_the_factor(ring, share, hint):
     with pytest.raises(ExerciseError, match="^09b.3 crossover: ") as err:
-        ch09.crossover(_ratio(ring, share), {"dgx_h100": 8, "one_port": 8})
+        ch09.crossover(_ratio(ring, share), {"dgx_h100": 8, "pcie": 2})
     assert hint in err.value.hint and "2(n − 1)" not in err.value.hint
     assert "1/tp" not in err.value.hint
 
 
 def test_crossover_solution_passes(capsys):
-    ch09.crossover(_ratio(True, True), {"dgx_h100": 8, "one_port": 8})
+    ch09.crossover(_ratio(True, True), {"dgx_h100": 8, "pcie": 2})
     out = capsys.readouterr().out
-    assert "up to tp = 8 on DGX H100 nodes and 8 with one port per node" in out
-    assert "at tp = 12 the ratio is 0.74 and 5.9" in out
+    assert "up to tp = 8 on DGX H100 nodes and 2 over PCIe" in out
+    assert "the ratio is 0.74 (tp = 12, a group that straddles two nodes) and 0.84 (tp = 3)" in out
 
 
 @pytest.mark.parametrize(
     "answer, hint",
     [
-        ({"dgx_h100": 12, "one_port": 8}, "ratio = 0.738 > 0.5"),
-        ({"dgx_h100": 4, "one_port": 8}, "a larger divisor of 96 still has ratio ≤ 0.5"),
-        ({"dgx_h100": 10, "one_port": 8}, "does not divide the 96 heads"),
+        ({"dgx_h100": 12, "pcie": 2}, "ratio = 0.738 > 0.5"),
+        ({"dgx_h100": 4, "pcie": 2}, "a larger divisor of 96 still has ratio ≤ 0.5"),
+        ({"dgx_h100": 10, "pcie": 2}, "does not divide the 96 heads"),
+        ({"dgx_h100": 8, "pcie": 8}, "ratio = 2.93 > 0.5"),  # NVLink's answer on PCIe
     ],
 )
 def test_crossover_hints_for_the_degree(answer, hint):
@@ -90,3 +91,44 @@ def test_buckets_says_as_predicted_only_for_the_runs_order(ddp_run, capsys):
     ch09.buckets(CAP, [2600, 256, 1605632, 128, 9600])  # conv1's bias before its weight
     out = capsys.readouterr().out
     assert "as predicted" not in out and "weight and bias the other way round" in out
+
+
+def _ring(all_gather: str):
+    """09a.1's ring all-reduce: the starter's reduce-scatter, then an all-gather that is right
+    ("right"), missing ("none"), sent to the left ("left") or run twice ("twice")."""
+
+    def ring_all_reduce(chunks, send):
+        n = len(chunks)
+        for k in range(n - 1):
+            arrived = [send(r, (r + 1) % n, chunks[r][(r - k) % n]) for r in range(n)]
+            for r in range(n):
+                chunks[r][(r - 1 - k) % n] = chunks[r][(r - 1 - k) % n] + arrived[(r - 1) % n]
+        rounds = {"right": 1, "left": 1, "twice": 2, "none": 0}[all_gather]
+        for k in range(rounds * (n - 1)):
+            dst = [(r - 1) % n if all_gather == "left" else (r + 1) % n for r in range(n)]
+            arrived = [send(r, dst[r], chunks[r][(r + 1 - k) % n]) for r in range(n)]
+            for r in range(n):
+                chunks[r][(r - k) % n] = arrived[(r - 1) % n]
+        return chunks
+
+    return ring_all_reduce
+
+
+@pytest.mark.parametrize(
+    "all_gather, hint",
+    [
+        ("none", "is not the sum over the ranks"),
+        ("left", "right-hand neighbour"),
+        ("twice", "how many rounds"),
+    ],
+)
+def test_ring_fails_a_wrong_all_gather_with_its_hint(all_gather, hint):
+    with pytest.raises(ExerciseError, match="^09a.1 ring: ") as err:
+        ch09.ring(_ring(all_gather))
+    assert hint in err.value.hint and "2(n−1)/n" not in err.value.hint
+
+
+def test_ring_solution_passes_and_reports_its_own_factor(capsys):
+    ch09.ring(_ring("right"))
+    out = capsys.readouterr().out
+    assert "✓ 09a.1 ring:" in out and "1.00·S at n = 2" in out and "1.75·S at n = 8" in out

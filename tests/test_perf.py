@@ -106,6 +106,57 @@ def test_step_time_model_by_hand():
     assert (t["exposed"], t["step"]) == pytest.approx((1.5, 12.5))
 
 
+def test_ddp_added_time_by_hand():
+    # buckets of 1 and 3 bytes, α = 0.5 s, β = 1 s/byte: 1.5 + 3.5 = 5 s of all-reduces, none
+    # hidden; plus 0.25 s of DDP's own work
+    t = costmodel.ddp_added_time([1, 3], alpha=0.5, beta=1.0, own_s=0.25)
+    assert t == pytest.approx({"all_reduces": 5.0, "own": 0.25, "added": 5.25})
+    # one bucket of the same 4 bytes pays α once: 4.5 s
+    assert costmodel.ddp_added_time([4], 0.5, 1.0, 0.0)["added"] == pytest.approx(4.5)
+    assert costmodel.ddp_added_time([], 0.5, 1.0, 0.1)["added"] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="own_s=-0.1"):
+        costmodel.ddp_added_time([1], 0.5, 1.0, -0.1)
+
+
+def test_added_verdict_on_constructed_numbers():
+    assert costmodel.added_verdict(2.0, 3.0, 2.5).startswith("not resolved")  # noise ≥ the term
+    assert costmodel.added_verdict(2.0, 9.0, 2.5) == "✗ model below"  # a miss beyond the noise
+    assert costmodel.added_verdict(2.0, 2.2, 0.1) == "✓"  # within 15 %
+    assert costmodel.added_verdict(2.0, 2.5, 0.3) == "✓"  # within 15 % + the spread
+    assert costmodel.added_verdict(2.0, 3.0, 0.1) == "✗ model below"
+    assert costmodel.added_verdict(2.0, 1.0, 0.1) == "✗ model above"
+
+
+def test_own_config_refuses_more_than_one_rank_and_bad_sizes():
+    with pytest.raises(ValueError, match="nprocs=2"):
+        sweeps.OwnConfig().validate(2)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        sweeps.OwnConfig(batch_size=0).validate(1)
+
+
+@pytest.mark.timeout(120)
+def test_ddp_own_worker_reports_its_terms(runs, no_leftovers):
+    got = (
+        launch(sweeps.ddp_own_worker, sweeps.OwnConfig(repeats=5), 1, runs_dir=runs)
+        .wait(timeout=100)
+        .values[0]
+    )
+    assert set(got) == {
+        "batch_size",
+        "plain_s",
+        "own_s",
+        "own_raw_s",
+        "own_wall_s",
+        "fwd_s",
+        "bwd_s",
+        "opt_s",
+    }
+    assert got["batch_size"] == 1 and got["plain_s"] > 0
+    assert got["own_s"] == max(0.0, got["own_raw_s"])  # clamped only where the median is < 0
+    # DDP's own work on a world of one is a fraction of a plain step, not several steps
+    assert abs(got["own_raw_s"]) < got["plain_s"] and abs(got["own_wall_s"]) < got["plain_s"]
+
+
 def test_flops_match_torch_flop_counter():
     model = models.ArticleCNN(in_shape=(3, 32, 32))
     with FlopCounterMode(display=False) as counter:
@@ -318,6 +369,12 @@ def test_sweep_and_step_workers_report_every_point(runs, no_leftovers):
     ]
     assert all(v["world_size"] == 2 for v in variants)
     assert all(len(v["cpu_times"]) == len(v["step_times"]) for v in variants)
+    # the training thread's CPU is part of the process's, step by step
+    assert all(
+        len(v["thread_cpu_times"]) == len(v["cpu_times"])
+        and all(0 < t <= c + 1e-3 for t, c in zip(v["thread_cpu_times"], v["cpu_times"]))
+        for v in variants
+    )
     assert all(0 < v["fwd_cpu_s"] and 0 < v["bwd_cpu_s"] for v in variants)
     alone = alone.wait(timeout=200).values
     idle = alone[1][0]  # rank 1 waited from rank 0's start to its end, building nothing

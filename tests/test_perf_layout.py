@@ -141,3 +141,12 @@ def test_cnn_kernels_count_flops_and_bytes():
     assert all(
         r["intensity"] == r["flops"] / r["bytes"] and r["seconds"] > 0 for r in rows.values()
     )
+
+
+def test_memory_bandwidth_is_the_best_stream_and_refuses_nothing_to_time(monkeypatch):
+    seconds = iter([4.0, 2.0, 3.0, 1.0, 8.0, 8.0])  # copy, relu out=, relu at 1 KiB; at 2 KiB
+    monkeypatch.setattr(roofline, "_timed", lambda call, repeats: next(seconds))
+    # read + write: 2 × 1024 B in 2 s, 2 × 2048 B in 1 s → the best is 4096 B/s
+    assert roofline.memory_bandwidth([1024, 2048], repeats=3) == 4096.0
+    with pytest.raises(ValueError, match="sizes=\\[\\]"):
+        roofline.memory_bandwidth([])

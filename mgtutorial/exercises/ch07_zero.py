@@ -68,7 +68,7 @@ def clip_step_worker(cfg: FileWorkerConfig) -> dict:
     with env.distributed(cfg.backend) as ctx:
         net = model.make_model(scfg).to(ctx.device)
         z = zero.ZeRO(net, ctx, 1, lr=scfg.lr)
-        seen, given, counts, after_first = [], [], [], []
+        seen, given, counts, after_first, sizes = [], [], [], [], []
 
         def shard_grad(*_):
             seen.append(None if z.slice.grad is None else z.slice.grad.detach().cpu().clone())
@@ -81,6 +81,8 @@ def clip_step_worker(cfg: FileWorkerConfig) -> dict:
             with counting_mode() as mode:
                 step_fn(z.flat, z.flat_grad, z.slice, z.opt, ctx, max_norm)
             counts.append(mode.counts())
+            # float32 elements of each all-reduce, read where CommDebugMode counts it
+            sizes.append([b_in // 4 for b_in, _ in mode.sizes.get("all_reduce", [])])
             after_first[:] = after_first or [z.flat.detach().cpu().clone()]
 
         model.train(net, step, scfg, ctx, z.zero_grad)
@@ -103,6 +105,8 @@ def clip_step_worker(cfg: FileWorkerConfig) -> dict:
         return {
             "steps": len(seen),
             "counts": counts,
+            "all_reduce_numels": sizes,
+            "flat_numel": z.flat.numel(),
             "grad_none": none,
             "norms": mean.norm(dim=-1).tolist(),
             "ways": None
@@ -128,12 +132,9 @@ WAYS = {
 }
 """A way of clipping that a mistake leads to → the hint it gets."""
 
-RIGHT_COUNTS = (
-    {"reduce_scatter": 1, "all_reduce": 1, "all_gather": 1},
-    {"all_reduce": 2, "all_gather": 1},
-)
-"""The collectives of one clipped ZeRO-1 step: the gradients reduce-scattered (or all-reduced,
-1.5× the bytes), the squared norm all-reduced, the parameters all-gathered."""
+RIGHT_COUNTS = {"reduce_scatter": 1, "all_reduce": 1, "all_gather": 1}
+"""The collectives of one clipped ZeRO-1 step: the gradients reduce-scattered, the squared norm
+all-reduced (one number), the parameters all-gathered."""
 
 
 def mistake(values: dict, max_norm: float) -> str | None:
@@ -151,8 +152,8 @@ def mistake(values: dict, max_norm: float) -> str | None:
             return f"step {k}: " + WAYS[way].format(r=bad, norm=norm, max_norm=max_norm)
         return (
             f"step {k}: rank {bad}'s shard.grad differs from one process's clipped gradient "
-            f"slice by {errors['clipped']:.2g}: reduce-scatter, ÷ N, all-reduce the squared "
-            "norm, scale"
+            f"slice by {errors['clipped']:.2g}: compare, step by step, the norm you clip by with "
+            "the norm of the whole averaged gradient (section 3's step, exercise text)"
         )
     return None
 
@@ -207,18 +208,29 @@ def zero1_clipped(path: str = "ex07_zero.py", max_norm: float = 1.5) -> None:
             f"{v['final_diff']:.2g}: does every step do the same thing?",
         )
         for step, kinds in enumerate(v["counts"]):
+            numels = sorted(v["all_reduce_numels"][step])
             require(
-                kinds in RIGHT_COUNTS,
+                "reduce_scatter" in kinds or numels[-1:] != [v["flat_numel"]],
+                ex,
+                f"rank {rank} all-reduced the whole gradient in step {step} and kept a slice: "
+                "section 3 counts what that sends against a reduce-scatter; ZeRO-1 needs only "
+                "its slice of the sum",
+            )
+            require(
+                kinds == RIGHT_COUNTS,
                 ex,
                 f"rank {rank} ran {kinds or 'no collectives'} in step {step}: clipped ZeRO-1 "
                 "needs one reduction of the gradients (reduce-scatter), one all-reduce of the "
                 "squared norm (one number) and one all-gather of the parameters",
             )
-    how = (
-        "1 reduce-scatter + 1 all-reduce of the squared norm + 1 all-gather per step"
-        if "reduce_scatter" in kinds
-        else "2 all-reduces (gradients, squared norm) + 1 all-gather per step (1.5× the bytes)"
-    )
+            require(
+                numels == [1],
+                ex,
+                f"rank {rank}'s all-reduce in step {step} moved {numels} elements: what must "
+                "each rank send for the global norm, against what it already holds after the "
+                "reduce-scatter (section 3 counts the bytes)?",
+            )
+    how = "1 reduce-scatter + 1 all-reduce of the squared norm + 1 all-gather per step"
     binds = [k for k, norm in enumerate(values[0]["norms"]) if norm > max_norm]
     passed(
         ex,

@@ -225,12 +225,17 @@ def zero3_layer(path: str = "ex07_zero3.py") -> None:
             "happens to run both as an all-reduce, but the call states what you need: each rank "
             "only its rows",
         )
+        gathers = bwd.get("all_gather", 0)
+        why = (
+            "it saved the gathered W for backward"
+            if v["saved_full"]
+            else f"it ran {gathers} all-gathers in backward, not one"
+        )
         require(
-            not v["saved_full"] and bwd.get("all_gather", 0) == 1,
+            not v["saved_full"] and gathers == 1,
             ex,
-            f"rank {rank} kept the gathered W from forward to backward (it saved it, or ran "
-            f"{bwd.get('all_gather', 0)} all-gathers in backward): ZeRO-3 frees W when forward "
-            "returns and gathers it again in backward; save only x and the shard",
+            f"rank {rank} kept the gathered W from forward to backward ({why}): ZeRO-3 frees W "
+            "when forward returns and gathers it again in backward; save only x and the shard",
         )
         require(
             (fwd, bwd) == RIGHT,

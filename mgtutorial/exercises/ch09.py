@@ -1,13 +1,15 @@
-"""Checkers of chapter 09's exercises: in notebooks/09a_cost_model.ipynb bus bandwidth (09a.1), a
-timing function that is right on a GPU (09a.2, in :mod:`mgtutorial.exercises.ch09_timing`) and the
-explorer's question (09a.3), a layout that fits a memory budget (09a.4, in
-:mod:`mgtutorial.exercises.ch09_layout`); in notebooks/09b_measurement.ipynb the exposed all-reduce
+"""Checkers of chapter 09's exercises: in notebooks/09a_cost_model.ipynb a ring all-reduce
+(09a.1), a timing function that is right on a GPU (09a.2, in
+:mod:`mgtutorial.exercises.ch09_timing`) and the explorer's question (09a.3), a layout that
+fits a memory budget (09a.4, in :mod:`mgtutorial.exercises.ch09_layout`); in
+notebooks/09b_measurement.ipynb the exposed all-reduce
 of a DDP step (09b.1), DDP's buckets for a tiny cap (09b.2, in
 :mod:`mgtutorial.exercises.ch09_buckets`) and the TP degree at which communication outgrows compute
 (09b.3, in :mod:`mgtutorial.exercises.ch09_crossover`); all seven are reached as
 ``ex.ch09.<checker>``.
 
-Nothing here asserts on a measured duration: 09a.1, 09a.3, 09b.1 and 09b.3 compare with
+Nothing here asserts on a measured duration: 09a.1 runs the learner's ring on made-up
+chunks; 09a.3, 09b.1 and 09b.3 compare with
 :mod:`mgtutorial.perf.costmodel` and :mod:`mgtutorial.perf.scaling`, 09b.2 with the buckets a real
 DDP run reports; 09a.2 runs the learner's timing function against a simulated device with a fake
 clock, whose every call is recorded.
@@ -19,7 +21,7 @@ import dataclasses
 
 from mgtutorial.exercises._common import answered, attempt, close, passed, require
 from mgtutorial.exercises.ch09_buckets import CAP_MB, buckets
-from mgtutorial.exercises.ch09_crossover import LINKS, N_HEADS, crossover
+from mgtutorial.exercises.ch09_crossover import LINKS, N_HEADS, PCIE_BW, crossover
 from mgtutorial.exercises.ch09_layout import layout_choice
 from mgtutorial.exercises.ch09_timing import FakeDevice, timing
 from mgtutorial.perf import costmodel, scaling
@@ -29,50 +31,81 @@ __all__ = [
     "CAP_MB",
     "LINKS",
     "N_HEADS",
+    "PCIE_BW",
     "READY",
+    "RING_SIZES",
     "STEP",
-    "WHY",
     "FakeDevice",
     "buckets",
-    "busbw",
     "crossover",
     "explorer",
     "explorer_efficiency",
     "exposed",
     "layout_choice",
+    "ring",
     "timing",
 ]
 
 # --- 09a.1 ---------------------------------------------------------------------------------------
 
-WHY = {
-    "all_reduce": "a ring all-reduce is a reduce-scatter then an all-gather: count the chunks "
-    "each rank sends in both halves",
-    "all_gather": "count the chunks each rank must receive, against the output's size",
-    "reduce_scatter": "count the chunks each rank must send, against the input's size",
-    "broadcast": "a pipelined broadcast passes the buffer along each link: how many times?",
-}
+RING_SIZES = (2, 3, 4, 8)
+"""World sizes on which 09a.1's ring all-reduce is run."""
 
 
-def busbw(fn) -> None:
-    """09a.1: ``fn(algbw, op, n) -> float``, the bus bandwidth (B/s) of ``op`` (one of
-    :data:`mgtutorial.perf.costmodel.COLLECTIVES`) on ``n`` ranks; compared with
-    :func:`mgtutorial.perf.costmodel.busbw` for n = 4, 8, 2, 3, 1 and every collective."""
-    ex = "09a.1 busbw"
-    algbw = 1e9
-    for n in (4, 8, 2, 3, 1):
-        for op in costmodel.COLLECTIVES:
-            got, want = attempt(ex, fn, algbw, op, n), costmodel.busbw(op, algbw, 1.0, n)
-            direction = "too large" if got > want else "too small"
+def ring(fn) -> None:
+    """09a.1: ``fn(chunks, send) -> chunks``, a ring all-reduce built by the learner.
+
+    ``chunks[r][c]`` is rank r's chunk c (n ranks, n chunks each, float32 tensors of 4 elements);
+    ``send(src, dst, tensor)`` delivers a copy of ``tensor`` from rank ``src`` to ``dst`` and must
+    go to the right-hand neighbour ``(src + 1) % n``. Run on n = 2, 3, 4, 8 with random chunks;
+    passes when every rank ends with every chunk summed over the ranks, and reports the bus
+    factor the learner's own sends give (bytes each rank sent ÷ the buffer's bytes S), compared
+    with :func:`mgtutorial.perf.costmodel.bus_factor`.
+    """
+    import torch
+
+    ex = "09a.1 ring"
+    factors = {}
+    for n in RING_SIZES:
+        gen = torch.Generator().manual_seed(n)
+        chunks = [[torch.randn(4, generator=gen) for _ in range(n)] for _ in range(n)]
+        want = [sum(chunks[r][c] for r in range(n)) for c in range(n)]
+        sent = [0] * n
+
+        def send(src, dst, tensor, n=n, sent=sent):
             require(
-                close(got, want, rel=1e-9),
+                dst == (src + 1) % n,
                 ex,
-                f"busbw(1e9, {op!r}, n={n}) returned {got!r}, {direction}: {WHY[op]}",
+                f"n={n}: rank {src} sent to rank {dst}; on a ring each rank sends only to its "
+                f"right-hand neighbour, (src + 1) % n = {(src + 1) % n}",
             )
+            sent[src] += tensor.numel() * tensor.element_size()
+            return tensor.clone()
+
+        got = attempt(ex, fn, [list(c) for c in chunks], send)
+        for r in range(n):
+            for c in range(n):
+                require(
+                    torch.allclose(got[r][c], want[c], atol=1e-5),
+                    ex,
+                    f"n={n}: rank {r}'s chunk {c} is not the sum over the ranks. After the "
+                    "reduce-scatter each rank holds one finished chunk; in the all-gather, each "
+                    "round every rank passes on the finished chunk it received last (its own "
+                    "in the first round) and stores what arrives in place",
+                )
+        size = 4 * 4 * n  # S: n chunks of 4 float32 elements
+        factors[n] = max(sent) / size
+        require(
+            close(factors[n], costmodel.bus_factor("all_reduce", n)),
+            ex,
+            f"n={n}: a rank sent {max(sent)} bytes, {factors[n]:.2f} × the buffer: each round "
+            "each rank sends one chunk; how many rounds do the two halves need?",
+        )
     passed(
         ex,
-        "busbw == algbw × 2(n−1)/n, (n−1)/n, (n−1)/n, 1 for all-reduce, all-gather, "
-        "reduce-scatter, broadcast",
+        "every rank holds the sum; your ring sends "
+        + ", ".join(f"{f:.2f}·S at n = {n}" for n, f in factors.items())
+        + " per rank: 2(n−1)/n, the all-reduce's bus factor",
     )
 
 

@@ -122,9 +122,10 @@ def buckets(cap_bytes: int, predicted=...) -> None:
         require(
             near is not None,
             ex,
-            f"DDP all-reduced {len(later)} buckets per step from step 2 on, not {len(guess)}: a "
-            f"bucket closes as soon as it holds at least {cap_bytes} bytes; a smaller gradient "
-            "joins the next one",
+            f"DDP all-reduced {len(later)} buckets per step from step 2 on, not {len(guess)}: "
+            "each gradient joins the current bucket, which closes as soon as it holds at least "
+            f"{cap_bytes} bytes (the first bucket too: with bucket_cap_mb set there is no 1 MiB "
+            "first bucket)",
         )
         require(
             False,

@@ -1,8 +1,8 @@
 """Checker of exercise 09b.3 (notebooks/09b_measurement.ipynb): the TP degree at which one
-block's forward communication outgrows its matmuls, on DGX H100 nodes (8 InfiniBand ports each)
-and on nodes with one port, with the arithmetic of chapter 08's section 7
-(:func:`mgtutorial.tensor_parallel.cost.comm_bytes`) and the course's one model of the links,
-:meth:`mgtutorial.perf.costmodel.Hardware.ring_bw` (chapter 09a).
+block's forward communication outgrows its matmuls, on DGX H100 nodes (NVLink inside a node)
+and on the same nodes with their GPUs linked by PCIe instead, with the arithmetic of chapter
+08's section 7 (:func:`mgtutorial.tensor_parallel.cost.comm_bytes`) and the course's one model
+of the links, :meth:`mgtutorial.perf.costmodel.Hardware.ring_bw` (chapter 09a).
 """
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ from mgtutorial.exercises._common import answered, attempt, close, passed, requi
 from mgtutorial.perf import costmodel
 from mgtutorial.tensor_parallel import cost
 
+PCIE_BW = 64e9
+"""PCIe Gen5 x16, bytes/s per direction: 32 GT/s × 16 lanes ÷ 8 bits (an assumption of 09b.3)."""
 NODES = {
     "dgx_h100": costmodel.H100,
-    "one_port": dataclasses.replace(costmodel.H100, nics_per_node=1),
+    "pcie": dataclasses.replace(costmodel.H100, intra_bw=PCIE_BW),
 }
-"""09b.3's clusters: DGX H100 nodes (8 ports of 50 GB/s) and the same nodes with one port."""
+"""09b.3's clusters: DGX H100 nodes (NVLink, 450 GB/s per direction inside a node) and the same
+nodes with the GPUs linked by PCIe Gen5 x16 (:data:`PCIE_BW`) instead of NVLink."""
 LINKS = {"nvlink": costmodel.H100.intra_bw, "infiniband": costmodel.H100.inter_bw}
 """The bandwidths ``ratio`` is checked at (B/s per direction): NVLink 4, one NDR port."""
 N_HEADS = 96
@@ -75,7 +78,7 @@ def crossover(ratio, largest_tp: dict | None = None) -> None:
     """09b.3: ``ratio(tp, link_bw) -> float`` (communication / compute of one block's forward at
     the GPT-3-like size of chapter 08's section 7, ``link_bw`` in B/s, peak
     ``costmodel.H100.peak_flops``, weight matmuls only) and ``largest_tp`` = {"dgx_h100",
-    "one_port": int}, per cluster of :data:`NODES` the largest TP degree n dividing
+    "pcie": int}, per cluster of :data:`NODES` the largest TP degree n dividing
     :data:`N_HEADS` with ``ratio(n, hw.ring_bw(n)) <= SHARE``. ``ratio`` is compared with the
     section's arithmetic at tp = 2, 3, 4, 8, 16, 24 and three bandwidths."""
     ex = "09b.3 crossover"
@@ -110,8 +113,7 @@ def crossover(ratio, largest_tp: dict | None = None) -> None:
         ex,
         f"ratio(8) = {reference_ratio(8, LINKS['nvlink']):.2f} over NVLink, growing with tp − 1; "
         f"communication stays within half the weight matmuls' time up to tp = "
-        f"{found['dgx_h100']} on DGX H100 nodes and {found['one_port']} with one port per node; "
-        f"at tp = {above['dgx_h100']} the ratio is {over['dgx_h100']:.2f} and "
-        f"{over['one_port']:.1f} (optimistic: a group of {above['dgx_h100']} straddles two nodes "
-        "and shares the second one's ports)",
+        f"{found['dgx_h100']} on DGX H100 nodes and {found['pcie']} over PCIe; one divisor "
+        f"further the ratio is {over['dgx_h100']:.2f} (tp = {above['dgx_h100']}, a group that "
+        f"straddles two nodes) and {over['pcie']:.2f} (tp = {above['pcie']})",
     )

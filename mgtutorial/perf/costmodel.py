@@ -227,6 +227,40 @@ def ddp_step_time(
     }
 
 
+def ddp_added_time(bucket_bytes: list[int], alpha: float, beta: float, own_s: float) -> dict:
+    """What DDP adds to a step of ranks that already train in lockstep, where the all-reduces run
+    on the cores that compute (gloo on a CPU): nothing is hidden, every bucket's α + β·bytes is
+    paid, plus DDP's own work on the training thread.
+
+    ``own_s``: DDP's own work per step (s), its autograd hooks and the copies of the gradients
+    into the flat buckets and back, measured as a DDP model on a world of one minus the plain
+    model (:func:`mgtutorial.perf.sweeps.ddp_own_worker`); ``alpha`` (s) and ``beta`` (s/byte)
+    from :func:`fit_alpha_beta`, in wall or CPU time alike.
+
+    Returns a dict (seconds): ``all_reduces`` (Σ α + β·bytes), ``own`` and ``added`` (their sum).
+    Raises ValueError for a negative ``own_s``. Taught in notebooks/09b_measurement.ipynb (section
+    1); https://pytorch.org/docs/stable/notes/ddp.html.
+    """
+    if own_s < 0:
+        raise ValueError(f"own_s={own_s}: DDP's own work is a duration, ≥ 0 s.")
+    comm = sum(alpha_beta_time(b, alpha, beta) for b in bucket_bytes)
+    return {"all_reduces": comm, "own": own_s, "added": comm + own_s}
+
+
+def added_verdict(predicted: float, measured: float, spread: float, rel: float = 0.15) -> str:
+    """What one run can say about the cost DDP adds (any unit, the same for all three): measured
+    = DDP − lockstep; ``spread`` = the difference between two identical lockstep runs, one
+    pair's estimate of the noise. "✗ model below" or "✗ model above" when ``|predicted −
+    measured|`` > ``spread`` + ``rel`` × predicted (a miss larger than the noise); otherwise
+    "not resolved" when ``spread`` ≥ ``predicted`` (the noise could hide the whole term), else
+    "✓". Taught in notebooks/09b_measurement.ipynb (section 1)."""
+    if abs(predicted - measured) > spread + rel * predicted:
+        return "✗ model " + ("below" if predicted < measured else "above")
+    if spread >= predicted:
+        return "not resolved (spread ≥ predicted)"
+    return "✓"
+
+
 @dataclass(frozen=True)
 class Hardware:
     """Published numbers of one GPU and its links (predictions only; see ``sources``)."""
@@ -245,16 +279,18 @@ class Hardware:
     memory_bytes: float = 0.0
     """Bytes of GPU memory (HBM) per GPU."""
     nics_per_node: int = 1
-    """Network ports per node, each at ``inter_bw``. NCCL runs one ring (channel) per port and
-    each ring leaves a node once, so the ports share a ring collective's inter-node traffic."""
+    """Network ports per node, each at ``inter_bw``. A ring over k nodes crosses k node
+    boundaries, leaving each node once through one port; NCCL runs one ring (channel) per port,
+    so the ports carry a ring collective's inter-node traffic side by side."""
 
     def ring_bw(self, n_gpus: int, per_node: int | None = None) -> float:
         """Bus bandwidth (B/s per direction) of a ring over ``n_gpus``, ``per_node`` of them in
         each node (default: as many as fit, ``min(n_gpus, gpus_per_node)``).
 
-        Inside one node: ``intra_bw``. Across nodes, each ring leaves every node once and the
-        node's ports are shared by the ``gpus_per_node / per_node`` groups that communicate at
-        the same time (e.g. the 8 data-parallel groups of a TP = 8 layout): ``min(intra_bw,
+        Inside one node: ``intra_bw``. Across nodes, each ring leaves every node once (k node
+        boundaries crossed over k nodes), one ring per port, and the node's ports are shared by
+        the ``gpus_per_node / per_node`` groups that communicate at the same time (e.g. the 8
+        data-parallel groups of a TP = 8 layout): ``min(intra_bw,
         nics_per_node × inter_bw × per_node / gpus_per_node)``. The one model of the links for
         chapters 08 and 09: a whole DGX H100 node reaches 8 × 50 GB/s, a group with one GPU per
         node 50 GB/s, and with one port per node 1/8 of that.

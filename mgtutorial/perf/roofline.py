@@ -32,12 +32,29 @@ def _timed(fn, repeats: int) -> float:
         torch.set_num_threads(before)
 
 
-def memory_bandwidth(nbytes: int = 128 * 2**20, repeats: int = 5) -> float:
-    """Bytes per second of a float32 copy of ``nbytes`` (read + write counted), one thread, the
-    fastest of ``repeats``: at 128 MiB (4× the L3 cache here) it is DRAM's bandwidth."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _timed(lambda: dst.copy_(src), repeats)
+def memory_bandwidth(sizes: list[int], repeats: int = 20) -> float:
+    """A bandwidth roof: bytes per second of the fastest read-and-write stream one thread
+    achieves, over float32 buffers of each of ``sizes`` bytes, element-wise kernels of the kind
+    a roofline judges (``copy_``, a ReLU written into a preallocated output, ``clamp_min(·, 0,
+    out=)``, and ``torch.relu`` allocating its output, as a model's forward does; read + write
+    counted), the fastest of ``repeats`` calls each. A roof is a ceiling, so the best of all is
+    kept: sizes far beyond the L3 cache give DRAM's roof, sizes well inside it the cache's.
+    Raises ValueError for an empty ``sizes`` or fewer than 1 repeat. Taught in
+    notebooks/09a_cost_model.ipynb (section 5)."""
+    if not sizes or repeats < 1:
+        raise ValueError(f"sizes={sizes}, repeats={repeats}: need at least one size and repeat.")
+    best = 0.0
+    for nbytes in sizes:
+        src = torch.ones(nbytes // 4)
+        dst = torch.empty_like(src)
+        calls = (  # a copy, a ReLU into a preallocated output, a ReLU that allocates its own
+            lambda s=src, d=dst: d.copy_(s),
+            lambda s=src, d=dst: torch.clamp_min(s, 0, out=d),
+            lambda s=src: torch.relu(s),
+        )
+        for call in calls:
+            best = max(best, 2 * nbytes / _timed(call, repeats))
+    return best
 
 
 def l3_bytes() -> int | None:
@@ -53,7 +70,7 @@ def l3_bytes() -> int | None:
 def cnn_kernels(model, batch: int, repeats: int = 7) -> list[dict]:
     """The forward kernels of :class:`mgtutorial.common.models.ArticleCNN` on ``batch`` images
     of 3×32×32, each timed alone (fastest of ``repeats``, one thread): dicts of ``name``,
-    ``flops``, ``bytes`` (float32 inputs, weights, outputs), ``seconds``, ``intensity``
+    ``flops``, ``bytes`` (float32 inputs, weights, biases, outputs), ``seconds``, ``intensity``
     (FLOPs per byte) and ``flops_per_s``."""
     x = torch.randn(batch, 3, 32, 32)
     conv = model.conv1(x)
@@ -61,13 +78,19 @@ def cnn_kernels(model, batch: int, repeats: int = 7) -> list[dict]:
     pool = F.max_pool2d(relu, 2)
     flat = pool.flatten(1)
     hid = model.fc1(flat)
-    w1, w2 = model.fc1.weight, model.fc2.weight
-    kernels = [  # name, call, FLOPs, tensors read and written
-        ("conv1", lambda: model.conv1(x), 2 * conv.numel() * 3 * 25, (x, model.conv1.weight, conv)),
+    out = model.fc2(hid)
+    conv1, fc1, fc2 = model.conv1, model.fc1, model.fc2
+    kernels = [  # name, call, FLOPs, tensors read and written (weights and biases included)
+        ("conv1", lambda: conv1(x), 2 * conv.numel() * 3 * 25, (x, conv1.weight, conv1.bias, conv)),
         ("relu", lambda: torch.relu(conv), conv.numel(), (conv, relu)),
         ("max_pool", lambda: F.max_pool2d(relu, 2), relu.numel(), (relu, pool)),
-        ("fc1", lambda: model.fc1(flat), 2 * batch * w1.numel(), (flat, w1, hid)),
-        ("fc2", lambda: model.fc2(hid), 2 * batch * w2.numel(), (hid, w2)),
+        (
+            "fc1",
+            lambda: fc1(flat),
+            2 * batch * fc1.weight.numel(),
+            (flat, fc1.weight, fc1.bias, hid),
+        ),
+        ("fc2", lambda: fc2(hid), 2 * batch * fc2.weight.numel(), (hid, fc2.weight, fc2.bias, out)),
     ]
     rows = []
     with torch.no_grad():

@@ -123,9 +123,10 @@ class TimedTrainer(ddp.Trainer):
     """Chapter 02's Trainer whose ``_run_batch`` also times forward, backward and optimizer step.
 
     ``self.phases`` gets one ``(start, fwd_s, bwd_s, opt_s, samples, cpu_start, fwd_cpu_s,
-    bwd_cpu_s)`` tuple per step (perf_counter s; ``samples`` this step's batch, smaller for an
-    epoch's last, partial batch; ``cpu_start``: the process's CPU time, all its threads, gloo's
-    included; ``*_cpu_s``: the training thread's CPU time in the phase); the time between two
+    bwd_cpu_s, thread_start)`` tuple per step (perf_counter s; ``samples`` this step's batch,
+    smaller for an epoch's last, partial batch; ``cpu_start``: the process's CPU time, all its
+    threads, gloo's included; ``*_cpu_s``: the training thread's CPU time in the phase;
+    ``thread_start``: the training thread's CPU time); the time between two
     starts is the whole step (data loading and logging included). On a GPU
     the phases end with :func:`~mgtutorial.perf.timing.sync`, which costs some overlap but makes
     the split honest. Step number ``profile_step`` (if set) runs under ``torch.profiler`` and its
@@ -168,7 +169,7 @@ class TimedTrainer(ddp.Trainer):
         self.optimizer.step()
         sync(self.ctx.device)
         t3 = time.perf_counter()
-        self.phases.append((t0, t1 - t0, t2 - t1, t3 - t2, len(x), c0, h1 - h0, h2 - h1))
+        self.phases.append((t0, t1 - t0, t2 - t1, t3 - t2, len(x), c0, h1 - h0, h2 - h1, h0))
         if self.step_barrier:  # "lockstep": every rank waits for the slowest, as under DDP
             dist.barrier()
         return loss.item()
@@ -251,6 +252,7 @@ def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None, barrier:
     starts = trainer.phases[cfg.warmup : n + 1]
     steps = [b[0] - a[0] for a, b in zip(starts, starts[1:]) if a[4] == full]
     cpu = [b[5] - a[5] for a, b in zip(starts, starts[1:]) if a[4] == full]
+    thread = [b[8] - a[8] for a, b in zip(starts, starts[1:]) if a[4] == full]
     extra = {}
     if trace:
         extra["trace"] = trace
@@ -265,6 +267,7 @@ def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None, barrier:
         "step_times": steps,
         **{k: statistics.median(p[i] for p in timed) for k, i in phases.items()},
         "cpu_times": cpu,
+        "thread_cpu_times": thread,
         "step_s": statistics.median(steps),
         "samples_per_s": run_cfg.batch_size / statistics.median(steps),
     }
@@ -273,7 +276,9 @@ def run_variant(cfg: StepConfig, ctx, variant: dict, trace: str | None, barrier:
 def step_worker(cfg: StepConfig) -> list[dict]:
     """Train each variant of ``cfg``; per variant (this rank's view) the variant, ``world_size``
     (1 unless "ddp"), ``fwd_s``, ``bwd_s``, ``opt_s``, ``step_s`` (medians over the timed steps),
-    ``samples_per_s``, ``step_times`` (s); ``{**variant, "idle": True, "idle_cpu_s"}`` where a
+    ``samples_per_s``, ``step_times`` (s), ``fwd_cpu_s``, ``bwd_cpu_s`` (the training thread's,
+    medians), ``cpu_times`` and ``thread_cpu_times`` (per step: the process's CPU, all threads,
+    and the training thread's); ``{**variant, "idle": True, "idle_cpu_s"}`` where a
     rank waited from rank 0's start to its end of training alone (its CPU seconds meanwhile).
     With ``profile``, the first "ddp" one also has ``trace`` (its path) and ``grad_bytes`` (per
     parameter, in the order backward produces them, for ``costmodel.bucket_layout``)."""
@@ -298,3 +303,84 @@ def step_worker(cfg: StepConfig) -> list[dict]:
             if mode == "alone" and ctx.initialized:
                 dist.barrier()  # rank 0 has finished training alone: the others go on
         return out
+
+
+@dataclass(kw_only=True)
+class OwnConfig(Config):
+    """Configuration of :func:`ddp_own_worker`."""
+
+    batch_size: int = 1
+    """Images per step (chapter 01's CNN, 3×32×32); DDP's own work depends on the gradients'
+    bytes, not on the batch, so a small batch keeps the steps, and the noise on them, short."""
+    repeats: int = 300
+    """Timed pairs of steps (plain and DDP, either first in turn), after 3 untimed ones; the
+    median difference is kept."""
+
+    def validate(self, nprocs: int | None = None) -> None:
+        """Raises ValueError for a batch size < 1, fewer than 1 repeat, or more than 1 rank."""
+        super().validate(nprocs)
+        if self.batch_size < 1 or self.repeats < 1:
+            raise ValueError(
+                f"batch_size={self.batch_size}, repeats={self.repeats}: need both ≥ 1."
+            )
+        if nprocs not in (None, 1):
+            raise ValueError(f"nprocs={nprocs}: ddp_own_worker measures on a world of one; use 1.")
+
+
+def ddp_own_worker(cfg: OwnConfig) -> dict:
+    """DDP's own work per step on the training thread: the same model and batch, plain and
+    wrapped in DDP on a world of one (gloo), stepped in turn (either first); there is no other
+    rank to wait for, so what DDP adds is its autograd hooks and the copies of the gradients into
+    the flat buckets and back. Each pair of steps runs under the same load, so the median of the
+    pairs' differences is kept.
+
+    Returns a dict: ``batch_size``; ``plain_s`` (the plain step's median, the training thread's
+    CPU time, s); ``own_raw_s`` (median difference DDP − plain of that CPU time over forward +
+    backward + optimizer step) and ``own_s`` (the same, at least 0: a negative median is noise),
+    the input of :func:`costmodel.ddp_added_time` for CPU time; ``own_wall_s`` (the median
+    difference of the same steps' wall time, ``perf_counter``, at least 0), its input for wall
+    time;
+    ``fwd_s``, ``bwd_s``, ``opt_s`` (the CPU difference per phase).
+    Taught in notebooks/09b_measurement.ipynb (section 1);
+    https://pytorch.org/docs/stable/notes/ddp.html.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from mgtutorial.common import models
+
+    with env.distributed("gloo", num_threads=1):
+        torch.manual_seed(0)
+        plain = models.ArticleCNN(in_shape=(3, 32, 32))
+        wrapped = DistributedDataParallel(models.ArticleCNN(in_shape=(3, 32, 32)))
+        pair = [(m, torch.optim.SGD(m.parameters(), lr=0.01)) for m in (plain, wrapped)]
+        x, y = torch.randn(cfg.batch_size, 3, 32, 32), torch.randint(0, 10, (cfg.batch_size,))
+        diffs, plains, walls = [], [], []
+        for i in range(3 + cfg.repeats):
+            phases, wall = [], []
+            for model, opt in pair if i % 2 else pair[::-1]:  # either first, in turn
+                t0 = time.perf_counter()
+                c0 = time.thread_time()
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                c1 = time.thread_time()
+                loss.backward()
+                c2 = time.thread_time()
+                opt.step()
+                phases.append((c1 - c0, c2 - c1, time.thread_time() - c2))
+                wall.append(time.perf_counter() - t0)
+            plain_p, ddp_p = phases if i % 2 else phases[::-1]
+            plain_w, ddp_w = wall if i % 2 else wall[::-1]
+            if i >= 3:
+                diffs.append([d - p for p, d in zip(plain_p, ddp_p)])
+                plains.append(sum(plain_p))
+                walls.append(ddp_w - plain_w)
+        med = [statistics.median(d[k] for d in diffs) for k in range(3)]
+        raw = statistics.median(sum(d) for d in diffs)
+        return {
+            "batch_size": cfg.batch_size,
+            "plain_s": statistics.median(plains),
+            "own_s": max(0.0, raw),
+            "own_raw_s": raw,
+            "own_wall_s": max(0.0, statistics.median(walls)),
+            **dict(zip(("fwd_s", "bwd_s", "opt_s"), med)),
+        }

@@ -159,13 +159,14 @@ def bias_before_g(path: str = "ex08_bias.py", predicted: dict | None = None) -> 
         set(wrong) == measured,
         ex,
         f"you predicted {sorted(wrong)} wrong, and the ranks measured otherwise: "
-        "the loss is (out · dy).sum() with a fixed dy, and g's backward is the identity: "
-        "what does b2 + partial change in backward?",
+        "follow dy backward from the output through g (section 2's f and g) and ask, for each "
+        "gradient, whether anything it is computed from has changed",
     )
     require(
         copies == got,
         ex,
-        f"the output does not hold {copies} copies of b2: every rank adds its own before the sum",
+        f"the output does not hold {copies} copies of b2: count who adds b2, and what g does "
+        "with what each rank adds",
     )
     passed(
         ex,

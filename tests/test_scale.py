@@ -378,6 +378,8 @@ def test_sbatch_builds_srun_torchrun_command():
     assert srun.split() == [
         "srun",
         "--kill-on-bad-exit=1",
+        "--cpus-per-task",  # asked for again: srun no longer inherits it from sbatch (22.05)
+        "16",
         "torchrun",
         "--nnodes",
         "2",
@@ -414,6 +416,9 @@ def test_sbatch_gives_each_rank_at_least_one_thread(cpus, gpus, omp):
     assert out.returncode == 0, out.stderr
     # the task's cores per rank, rounded down, and never 0
     assert slurm.torchrun_options(out.stdout)["OMP_NUM_THREADS"] == omp
+    # and srun gives the task all the cores the job asked for, whatever the GPUs
+    srun = out.stdout.splitlines()[1].split()
+    assert srun[srun.index("--cpus-per-task") + 1] == cpus
 
 
 @pytest.mark.timeout(300)

@@ -1,8 +1,8 @@
-"""Checkers of chapter 06b's exercises (notebooks/06b_article_model_parallel.ipynb): what the
-article's sample holds, sends and reduces, the bytes ``retain_graph=True`` keeps alive, and the
-world size a process group is told.
+"""Checkers of chapter 06b's exercises (notebooks/06b_article_model_parallel.ipynb): the sample's
+copies kept one model, the bytes ``retain_graph=True`` keeps alive for any MLP, and the world size
+a process group is told.
 
-The rank-side checker (06b.3) runs the learner's file in the workers of
+The rank-side checkers (06b.1, 06b.3) run the learner's file in the workers of
 :mod:`mgtutorial.exercises.ch06_ranks` and reads what the ranks logged or returned.
 """
 
@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mgtutorial.common.compare import c10d_counting_mode
-from mgtutorial.common.models import ArticleMLP, count_parameters
+from mgtutorial.common.compare import float32_tolerance, max_abs_diff
+from mgtutorial.common.models import ArticleMLP
 from mgtutorial.exercises import ch06_ranks
 from mgtutorial.exercises._common import (
     ExerciseError,
     RankFailed,
     answered,
+    attempt,
     function_from,
     passed,
     require,
@@ -29,124 +30,109 @@ from mgtutorial.exercises._common import (
 from mgtutorial.pipeline.activations import ActivationMeter
 from mgtutorial.runtime import env
 
-# --- 06b.1: the sample, reviewed ------------------------------------------------------------------
-
-SIZES = (2048, 256, 10)
-"""The layer sizes of 06b.1's and 06b.2's MLP: not the article's, so that sections 2.1 and 2.3's
-numbers are no answer."""
+# --- 06b.1: the sample's copies, made one model -------------------------------------------------
 
 
-def sample_measured(sizes: tuple[int, ...] = SIZES, steps: int = 3, batch_size: int = 8) -> dict:
-    """The sample's loop (✗ 2.2 fixed) with ``ArticleMLP(sizes)``: one process per sub-network, each
-    building the whole model from the same seed and training it on batches of its own for
-    ``steps`` steps, its loop under :func:`~mgtutorial.common.compare.c10d_counting_mode`. The
-    processes share nothing, so they run one after the other here. Returns ``parameters`` (all
-    processes together), ``sent`` and ``collectives`` (c10d operations of one process's step:
-    sends, every other op) and ``copies_equal`` (every process's weights equal after the
-    steps)."""
-    processes, states, counts = len(sizes) - 1, [], {}
-    for part in range(processes):
-        env.seed_everything(0)  # the same seed in every process
-        model = ArticleMLP(sizes=sizes)  # ✗ 2.1 the whole model
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        g = torch.Generator().manual_seed(1000 + part)  # each process's own batches
-        for _ in range(steps):
-            x = torch.randn(batch_size, sizes[0], generator=g)
-            y = torch.randint(0, sizes[-1], (batch_size,), generator=g)
-            with c10d_counting_mode() as mode:
-                opt.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-            counts = mode.counts
-        states.append((count_parameters(model), model.state_dict()))
-    sends = sum(n for op, n in counts.items() if "send" in op)
-    return {
-        "parameters": sum(n for n, _ in states),
-        "sent": sends,
-        "collectives": sum(n for op, n in counts.items() if "send" not in op and "recv" not in op),
-        "copies_equal": all(
-            all(torch.equal(s[k], states[0][1][k]) for k in s) for _, s in states[1:]
-        ),
-    }
+def one_process(cfg: ch06_ranks.SyncConfig, ranks: tuple[int, ...], scale: float = 1.0) -> dict:
+    """One plain process running the sample's loop on the union of ``ranks``' batches at every
+    step (their mean loss; ``scale`` multiplies each gradient), from the ranks' initial weights.
+    Returns the state dict (CPU). ``ranks=(0, 1)`` is what two copies kept as one model compute."""
+    env.seed_everything(0)
+    model = ArticleMLP(sizes=cfg.sizes)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    for step in range(cfg.steps):
+        batches = [ch06_ranks.sample_batch(cfg, r, step) for r in ranks]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            p.grad *= scale
+        opt.step()
+    return model.state_dict()
 
 
-def sample_reviewed(predicted: dict) -> None:
-    """06b.1: what the sample's loop does (✗ 2.2 fixed) with ``ArticleMLP(sizes=(2048, 256, 10))``
-    (two sub-networks, so two processes), for 3 steps: ``predicted["parameters"]``, the
-    parameters both processes hold together (int); ``predicted["sent"]`` and
-    ``predicted["collectives"]``, the tensors one process sends to the other and the collectives
-    it calls in one step (ints); ``predicted["copies_equal"]``, whether the two processes' weights
-    are still equal after the 3 steps (bool). The checker measures each
-    (:func:`sample_measured`)."""
-    ex = "06b.1 the sample, reviewed"
+def one_model(path: str = "ex06b_sync.py", nprocs: int = 2) -> None:
+    """06b.1: ``train_step(model, opt, x, y, ctx)`` in ``path`` is one step of the sample's loop
+    on this rank's batch (returns the loss); make it keep the ranks' copies one model.
+
+    Runs the sample's loop (:func:`~mgtutorial.exercises.ch06_ranks.sync_worker`: the whole
+    ``ArticleMLP((64, 32, 10))`` from one seed, 3 SGD steps, each rank on batches of its own) on
+    ``nprocs`` ranks and compares, from the weights the ranks return: the copies with each other,
+    then with one process trained on the ranks' combined batches (:func:`one_process`), within
+    :func:`~mgtutorial.common.compare.float32_tolerance`. Reports the ``c10d`` operations the
+    step called.
+    """
+    ex = "06b.1 one model"
+    function_from(path, "train_step", ex)  # a missing file or a syntax error, before any rank
+    cfg = ch06_ranks.SyncConfig(path=str(Path(path).resolve()))
+    result = run_ranks(ex, ch06_ranks.sync_worker, cfg, nprocs, timeout_s=90, name="one-model")
+    states = [
+        {k: torch.tensor(v) for k, v in result.values[r]["state"].items()} for r in range(nprocs)
+    ]
+    tol = float32_tolerance("cuda" if env.resolve_backend("auto", nprocs) == "nccl" else "cpu")
+    calls = result.values[0]["c10d"][-1]
+    said = ", ".join(f"{n} × {op}" for op, n in sorted(calls.items())) or "no c10d operation"
+    apart = max(max_abs_diff(s, states[0]) for s in states[1:])
     require(
-        isinstance(predicted, dict),
+        apart < tol,
         ex,
-        f"`predicted` is a {type(predicted).__name__}, not a dict: make it a dict with the keys "
-        "'parameters', 'sent', 'collectives' and 'copies_equal'",
+        f"after {cfg.steps} steps the ranks' copies differ (by up to {apart:.1e}); one step of "
+        f"yours called {said}. Each copy stepped with something only it had: what must every rank "
+        "hold, the same, before opt.step()? (✗ 2.1; chapter 02, point 3)",
     )
-    guess = {k: answered(predicted.get(k), ex, f"predicted[{k!r}]") for k in _KINDS}
-    for k, kind in _KINDS.items():
-        require(
-            isinstance(guess[k], kind) and (kind is bool or not isinstance(guess[k], bool)),
-            ex,
-            f"predicted[{k!r}] is {guess[k]!r}: give "
-            + ("True or False" if kind is bool else "a whole number (an int)"),
+    ranks = tuple(range(nprocs))
+    diff = max_abs_diff(states[0], one_process(cfg, ranks))
+    if diff >= tol:
+        why = (
+            f"they take a step {nprocs} times too large, as if each gradient were summed "
+            "over the ranks, not averaged"
+            if max_abs_diff(states[0], one_process(cfg, ranks, scale=nprocs)) < tol
+            else "they are what rank 0 trains alone: the other ranks' batches are lost"
+            if max_abs_diff(states[0], one_process(cfg, (0,))) < tol
+            else "they are not what one process trained on the combined batches computes"
         )
-    got = sample_measured()
-    one = count_parameters(ArticleMLP(sizes=SIZES))
-    own = {count_parameters(sub) for sub in ArticleMLP(sizes=SIZES).subnets}
-    if guess["parameters"] != got["parameters"]:
-        why = {
-            one: "that is one model's parameters, as if the processes shared one model",
-            **{
-                n: "that is one sub-network's parameters, what a split would give a process"
-                for n in own
-            },
-        }.get(guess["parameters"], "it is not what the processes hold")
         raise ExerciseError(
             ex,
-            f"predicted['parameters']: {why}. Read ✗ 2.1's line: what does each process build? "
-            "Count that (count_parameters) for every process the sample starts",
+            f"the ranks' copies agree, but {why} (largest difference {diff:.1e}, tolerance "
+            f"{tol:g}); one step of yours called {said}. Compare with chapter 02, point 3",
         )
-    require(
-        guess["sent"] == got["sent"],
-        ex,
-        "predicted['sent']: an activation forward and a gradient back is what a split MLP sends "
-        "(section 2.4's positive control); find the line of the sample's loop that would send a "
-        "tensor to the other process",
-    )
-    require(
-        guess["collectives"] == got["collectives"],
-        ex,
-        "predicted['collectives']: an all-reduce per parameter after backward() is what DDP adds "
-        "(chapter 02); which line of the sample's loop calls a collective?",
-    )
-    require(
-        guess["copies_equal"] == got["copies_equal"],
-        ex,
-        "predicted['copies_equal']: both processes start from the same seed; then what does each "
-        "train on, and what would make their steps equal? (✗ 2.1; compare with section 2.4)",
-    )
     passed(
         ex,
-        f"the parameters the sample's processes hold, what one step sends and reduces, and "
-        f"whether its copies agree after 3 steps are as predicted for ArticleMLP(sizes={SIZES})",
+        f"{nprocs} ranks on batches of their own kept one model over {cfg.steps} steps, equal to "
+        f"one process on the combined batches (within {tol:g}); one step called {said}",
     )
 
 
-_KINDS = {"parameters": int, "sent": int, "collectives": int, "copies_equal": bool}
+# --- 06b.2: what retain_graph=True keeps, for any MLP ---------------------------------------------
+
+CASES = (
+    ((2048, 256, 10), 1, torch.float32),
+    ((2048, 256, 10), 256, torch.float32),
+    ((64, 32, 16, 8), 5, torch.float32),
+    ((64, 32, 16, 8), 3, torch.float64),
+    ((100, 10), 7, torch.bfloat16),
+)
+"""06b.2's configurations (sizes, batch size, dtype), checked in this order: not the article's
+MLP, then deeper, then other dtypes."""
+
+_CASE_HINTS = (
+    "redo section 2.3's breakdown for these widths, tensor by tensor",
+    "batch 1 passed: what grows with the batch, and by how much per sample?",
+    "a deeper MLP: what does each further sub-network add (a tensor two layers share counts once)?",
+    "another dtype: which tensors take the model's dtype, and which keep their own?",
+    "bfloat16, and an MLP of one sub-network: no ReLU at all",
+)
 
 
-# --- 06b.2: what retain_graph=True keeps ---------------------------------------------------------
-
-
-def alive_after_step(retain_graph: bool, batch_size: int, sizes: tuple[int, ...] = SIZES) -> int:
-    """Bytes of saved activations still alive after one step of ``ArticleMLP(sizes)``
-    (:class:`~mgtutorial.pipeline.activations.ActivationMeter`)."""
+def alive_after_step(
+    retain_graph: bool, batch_size: int, sizes=(2048, 256, 10), dtype=torch.float32
+) -> int:
+    """Bytes of saved activations still alive after one step of ``ArticleMLP(sizes)`` in
+    ``dtype`` (:class:`~mgtutorial.pipeline.activations.ActivationMeter`)."""
     torch.manual_seed(0)
-    model = ArticleMLP(sizes=sizes)
-    x, y = torch.randn(batch_size, sizes[0]), torch.randint(0, sizes[-1], (batch_size,))
+    model = ArticleMLP(sizes=sizes).to(dtype)
+    x = torch.randn(batch_size, sizes[0], dtype=dtype)
+    y = torch.randint(0, sizes[-1], (batch_size,))
     meter = ActivationMeter(model)
     with meter.saving():
         loss = nn.functional.cross_entropy(model(x), y)
@@ -154,40 +140,33 @@ def alive_after_step(retain_graph: bool, batch_size: int, sizes: tuple[int, ...]
     return meter.live_bytes
 
 
-def retained_bytes(predicted: dict) -> None:
-    """06b.2: ``predicted[B]`` is the number of bytes (int) of saved activations alive after one
-    step with ``retain_graph=True`` of ``ArticleMLP(sizes=(2048, 256, 10))`` at batch size B
-    (B = 1, 256); the checker measures each."""
+def retained_bytes(fn) -> None:
+    """06b.2: ``fn(sizes, batch_size, dtype)`` returns the bytes (int) of saved activations alive
+    after one step with ``retain_graph=True`` of ``ArticleMLP(sizes)`` in ``dtype`` (input in
+    ``dtype``, int64 targets, cross-entropy loss); the checker measures each of :data:`CASES`."""
     ex = "06b.2 retained bytes"
-    require(
-        isinstance(predicted, dict),
-        ex,
-        f"`predicted` is a {type(predicted).__name__}, not a dict: make it a dict "
-        "{1: bytes, 256: bytes}, batch size → number of bytes",
-    )
-    for b in (1, 256):
-        guess = answered(predicted.get(b), ex, f"predicted[{b}]")
+    for (sizes, b, dtype), advice in zip(CASES, _CASE_HINTS):
+        guess = answered(attempt(ex, fn, sizes, b, dtype), ex, "the return value")
+        what = f"ArticleMLP(sizes={sizes}) in {str(dtype).removeprefix('torch.')} at batch {b}"
         whole = isinstance(guess, float) and guess.is_integer()
         require(
             isinstance(guess, int) and not isinstance(guess, bool),
             ex,
-            f"predicted[{b}] is {guess!r} ({type(guess).__name__}): give a whole number of bytes "
-            f"(an int{f', e.g. int({guess!r})' if whole else ''})",
+            f"for {what} you return {guess!r} ({type(guess).__name__}): return a whole number of "
+            f"bytes (an int{f', e.g. int({guess!r})' if whole else ''})",
         )
-        got = alive_after_step(True, b)
+        got = alive_after_step(True, b, sizes, dtype)
         require(
             guess == got,
             ex,
-            f"at batch {b} your {guess:,} bytes is not what the meter measures after the step "
-            f"({'too many' if guess > got else 'too few'}): redo section 2.3's breakdown for "
-            "this MLP's widths, tensor by tensor (what each layer saves, the loss's own tensors, "
-            "their dtypes)",
+            f"for {what} your {guess:,} bytes is {'too many' if guess > got else 'too few'} "
+            f"for what the meter measures after the step: {advice}",
         )
     require(alive_after_step(False, 256) == 0, ex, "a plain backward() left activations alive")
     passed(
         ex,
-        f"the bytes retain_graph=True keeps alive in ArticleMLP(sizes={SIZES}) at batch 1 and 256 "
-        "are as predicted (and 0 without it)",
+        f"your function gives the bytes retain_graph=True keeps alive for {len(CASES)} MLPs, "
+        "batch sizes and dtypes, as measured (and a plain backward() keeps 0)",
     )
 
 

@@ -11,7 +11,7 @@ import torch
 
 from mgtutorial.exercises import ExerciseError, ch06_ranks, ch06b
 
-STEP = '''
+STEP = """
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,7 +24,7 @@ def train_step(model, opt, x, y, ctx):
 {sync}
     opt.step()
     return loss.item()
-'''
+"""
 AVERAGE = """
     for p in model.parameters():
         dist.all_reduce(p.grad)
@@ -68,24 +68,36 @@ def test_06b1_averaged_gradients_pass(sync, tmp_path, monkeypatch, capsys, no_le
 
 WRONG = [
     ("", "the ranks' copies differ"),  # the starter: each copy on its own gradients
-    ("""
+    (
+        """
      for p in model.parameters():
          dist.all_reduce(p.grad)
-     """, "summed over the ranks, not averaged"),
-    ("""
+     """,
+        "summed over the ranks, not averaged",
+    ),
+    (
+        """
      for p in model.parameters():
          p.grad /= ctx.world_size
-     """, "the ranks' copies differ"),
-    ("""
+     """,
+        "the ranks' copies differ",
+    ),
+    (
+        """
      total = loss.detach().clone()
      dist.all_reduce(total)
-     """, "the ranks' copies differ"),
-    ("""
+     """,
+        "the ranks' copies differ",
+    ),
+    (
+        """
      opt.step()
      for p in model.parameters():
          dist.broadcast(p.data, src=0)
      opt.zero_grad()
-     """, "what rank 0 trains alone"),
+     """,
+        "what rank 0 trains alone",
+    ),
 ]
 
 

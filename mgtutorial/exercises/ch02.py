@@ -1,5 +1,6 @@
 """Checkers of chapter 02's exercises (notebooks/02_ddp.ipynb): a failing rank, the sampler's
-shares and ``set_epoch``, the equality with a batch of 15, and the linear scaling rule."""
+shares and ``set_epoch``, the last, shorter batch of an epoch on 3 ranks, and the linear scaling
+rule."""
 
 from __future__ import annotations
 
@@ -149,7 +150,8 @@ def sampler_shares(path: str = "ex02_sampler.py", epochs: int = 2) -> None:
                 drawn[epoch] == reference[rank][epoch],
                 ex,
                 f"rank {rank}'s indices in epoch {epoch} are not DistributedSampler(shuffle=True, "
-                f"seed=0)'s after set_epoch({epoch}): keep the seed 0 and shuffle=True",
+                f"seed=0)'s after set_epoch({epoch}): check the seed, shuffle and the epoch you "
+                "pass to set_epoch",
             )
     twice = 2 * len(a[0]) - n
     passed(
@@ -159,7 +161,7 @@ def sampler_shares(path: str = "ex02_sampler.py", epochs: int = 2) -> None:
     )
 
 
-def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
+def last_batch(predicted: dict, nprocs: int = 3, batch_size: int = 100) -> None:
     """02.3: predictions for DDP on ``nprocs`` ranks with ``batch_size`` per rank over the whole
     first epoch of the digits: ``"samples_per_rank"``, ``"steps"`` (batches per rank),
     ``"last_batch"`` (samples in each rank's last batch), and ``"equal"`` (bool: DDP's parameters
@@ -185,14 +187,14 @@ def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
     require(
         guess["steps"] == steps,
         ex,
-        f'predicted["steps"] = {guess["steps"]}: {per_rank} samples in '
-        f"batches of {batch_size}, the last one shorter (drop_last=False)",
+        f'predicted["steps"] = {guess["steps"]}: how many batches of {batch_size} does one '
+        "rank's share make, when the loader keeps a last, shorter one (drop_last=False)?",
     )
     require(
         {guess["last_batch"]} == last,
         ex,
-        f'predicted["last_batch"] = {guess["last_batch"]}: what is '
-        f"left of {per_rank} after {steps - 1} full batches?",
+        f'predicted["last_batch"] = {guess["last_batch"]}: the last batch holds what the '
+        "full batches leave of one rank's share",
     )
     checkpoint = Path("runs/exercises/ex02_last_batch.pt").resolve()
     cfg = ddp.DDPConfig(
@@ -212,9 +214,8 @@ def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
     require(
         guess["equal"] == equal,
         ex,
-        f'predicted["equal"] = {guess["equal"]}, but DDP {"equals" if equal else "differs from"} '
-        "one process on the combined batches: at the last step, does every rank's batch have the "
-        "same size?",
+        f'predicted["equal"] = {guess["equal"]}: not what the run and the reference show. At the '
+        "last step, does every rank's batch have the same size, and what does DDP average?",
     )
     passed(
         ex,
@@ -270,20 +271,16 @@ def linear_scaling(lr_at: Callable) -> None:
             f"after warm-up {where} is {got:g}: multiply base_lr by the factor the batch grew, "
             f"(batch_size × world_size) / base_batch = {effective}/{base_batch}",
         )
-    for kw in cases:
-        base_lr, warmup, where = kw["base_lr"], kw["warmup_steps"], _shown(kw)
-        if warmup:
-            got0, got_mid = attempt(ex, lr_at, 0, **kw), attempt(ex, lr_at, warmup // 2, **kw)
+    for kw in cases:  # the whole line, not only the points above: every step, and a late one
+        warmup, where = kw["warmup_steps"], _shown(kw)
+        for step in [*range(warmup + 4), 10 * warmup + 1000]:
+            got = attempt(ex, lr_at, step, **kw)
             require(
-                close(got0, base_lr),
+                close(got, _reference_lr(step, **kw)),
                 ex,
-                f"{where} at step 0 is {got0:g}: the warm-up starts from base_lr = {base_lr:g}",
-            )
-            require(
-                close(got_mid, _reference_lr(warmup // 2, **kw)),
-                ex,
-                f"{where} at step {warmup // 2} is {got_mid:g}: halfway through the warm-up the "
-                "rate is halfway from base_lr to the scaled rate (a straight line)",
+                f"{where} at step {step} is {got:g}, off the rule: a straight line from base_lr "
+                "at step 0 (the warm-up's start) to the scaled rate at step warmup_steps, and the "
+                "scaled rate from there on",
             )
     example = _reference_lr(10, *CASES[0])
     passed(

@@ -167,10 +167,11 @@ def exit_without_destroy(
     an abort), ``initialized_at_exit`` (bool, None if the rank never printed it), ``exit_reached``
     (:data:`EXIT_REACHED` is on its stderr), ``aborted`` (:data:`ABORT` is), ``stderr`` (text).
     What torch 2.14.1 does there: on gloo no warning, but a rank can abort in the teardown of
-    gloo's threads; on NCCL the process group's destructor warns
-    ("WARNING: destroy_process_group() was not called before program exit, …") from each rank
-    whose rank is a multiple of the node's GPU count. Taught in notebooks/06a_article_ddp.ipynb,
-    section 1.7; see https://pytorch.org/docs/stable/distributed.html#shutdown.
+    gloo's threads (https://github.com/pytorch/pytorch/issues/190489); on NCCL the process group's
+    destructor warns ("WARNING: destroy_process_group() was not called before program exit, …")
+    from each rank whose rank is a multiple of the node's GPU count. Taught in
+    notebooks/06a_article_ddp.ipynb, section 1.7; see
+    https://pytorch.org/docs/stable/distributed.html#shutdown.
 
     Raises:
         ValueError: ``backend`` is not "gloo" or "nccl", or ``nprocs`` < 1.

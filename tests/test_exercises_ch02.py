@@ -4,7 +4,6 @@ hint, and no hint prints the answer."""
 from __future__ import annotations
 
 import math
-import textwrap
 
 import pytest
 
@@ -80,36 +79,82 @@ def test_02_3_right_passes_and_a_wrong_equal_fails(tmp_path, monkeypatch, capsys
         ch02.last_batch(RIGHT | {"equal": False})
 
 
-SAMPLER = """
-from torch.utils.data import DistributedSampler
+RANK = """
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgtutorial import load_dataset
-from mgtutorial.runtime import env
+from mgtutorial.common.data import train_loader
+from mgtutorial.common.models import ArticleCNN
 
 
-def draw_indices(cfg):
+def train(cfg, ctx):
     train_set, _ = load_dataset("digits")
-    with env.distributed(cfg.backend) as ctx:
-        sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=0)
-        drawn = []
-        for epoch in (0, 1):
-            sampler.set_epoch(epoch + {offset})
-            drawn.append(list(sampler))
-        return drawn
+    torch.manual_seed(0)
+    model = ArticleCNN(tuple(train_set[0][0].shape)).to(ctx.device)
+    model = {wrap}
+    loader = train_loader(train_set, cfg.batch_size, {rank}, ctx.world_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    for epoch in range(cfg.epochs):
+        loader.sampler.set_epoch({epoch})
+        for X, y in loader:
+            X, y = X.to(ctx.device), y.to(ctx.device)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(X), y).backward()
+            optimizer.step()
+    return model
 """
+STARTER = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from mgtutorial import load_dataset
+from mgtutorial.common.models import ArticleCNN
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("offset", [0, 1])
-def test_02_2_the_epoch_passed_to_set_epoch_matters(
-    offset, tmp_path, monkeypatch, capsys, no_leftovers
-):
+def train(cfg, ctx):
+    train_set, _ = load_dataset("digits")
+    torch.manual_seed(0)
+    model = ArticleCNN(tuple(train_set[0][0].shape))
+    loader = DataLoader(train_set, cfg.batch_size, shuffle=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    for epoch in range(cfg.epochs):
+        for X, y in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(X), y).backward()
+            optimizer.step()
+    return model
+"""
+GOOD = dict(
+    wrap='DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)',
+    rank="ctx.rank",
+    epoch="epoch",
+)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "change, hint",
+    [
+        ({}, None),
+        ({"wrap": "model"}, "the two ranks end with different models"),
+        ({"rank": "0"}, "both ranks drew the same samples"),
+        ({"epoch": "0"}, "epoch 1 repeated epoch 0's order"),
+        (None, "does each rank train on its own share"),  # the starter: chapter 01's loop
+    ],
+    ids=["right", "no-ddp", "rank-0", "no-set-epoch", "starter"],
+)
+def test_02_2_own_rank(change, hint, tmp_path, monkeypatch, capsys, no_leftovers):
     monkeypatch.chdir(tmp_path)
-    path = tmp_path / "ex02_sampler.py"
-    path.write_text(textwrap.dedent(SAMPLER.format(offset=offset)))
-    if offset == 0:
-        ch02.sampler_shares(str(path))
-        assert capsys.readouterr().out.startswith("✓ 02.2 the sampler's shares: 2 ranks drew 719")
+    path = tmp_path / "ex02_rank.py"
+    path.write_text(STARTER if change is None else RANK.format(**(GOOD | change)))
+    if hint is None:
+        ch02.own_rank(str(path))
+        assert capsys.readouterr().out.startswith("✓ 02.2 your own DDP rank: 2 ranks trained 2")
         return
-    with pytest.raises(ExerciseError, match="the epoch you pass to set_epoch"):
-        ch02.sampler_shares(str(path))
+    with pytest.raises(ExerciseError, match="02.2") as err:
+        ch02.own_rank(str(path))
+    assert hint in err.value.hint

@@ -1,8 +1,7 @@
-"""Checkers of chapter 06b's exercises (notebooks/06b_article_model_parallel.ipynb): the sample's
-copies kept one model, the bytes ``retain_graph=True`` keeps alive for any MLP, and the world size
-a process group is told.
+"""Checkers of chapter 06b's exercises (notebooks/06b_article_model_parallel.ipynb): the bytes
+``retain_graph=True`` keeps alive for any MLP, and the world size a process group is told.
 
-The rank-side checkers (06b.1, 06b.3) run the learner's file in the workers of
+The rank-side checker (06b.2) runs the learner's file in the workers of
 :mod:`mgtutorial.exercises.ch06_ranks` and reads what the ranks logged or returned.
 """
 
@@ -14,7 +13,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mgtutorial.common.compare import float32_tolerance, max_abs_diff
 from mgtutorial.common.models import ArticleMLP
 from mgtutorial.exercises import ch06_ranks
 from mgtutorial.exercises._common import (
@@ -28,82 +26,8 @@ from mgtutorial.exercises._common import (
     run_ranks,
 )
 from mgtutorial.pipeline.activations import ActivationMeter
-from mgtutorial.runtime import env
 
-# --- 06b.1: the sample's copies, made one model -------------------------------------------------
-
-
-def one_process(cfg: ch06_ranks.SyncConfig, ranks: tuple[int, ...], scale: float = 1.0) -> dict:
-    """One plain process running the sample's loop on the union of ``ranks``' batches at every
-    step (their mean loss; ``scale`` multiplies each gradient), from the ranks' initial weights.
-    Returns the state dict (CPU). ``ranks=(0, 1)`` is what two copies kept as one model compute."""
-    env.seed_everything(0)
-    model = ArticleMLP(sizes=cfg.sizes)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    for step in range(cfg.steps):
-        batches = [ch06_ranks.sample_batch(cfg, r, step) for r in ranks]
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        for p in model.parameters():
-            p.grad *= scale
-        opt.step()
-    return model.state_dict()
-
-
-def one_model(path: str = "ex06b_sync.py", nprocs: int = 2) -> None:
-    """06b.1: ``train_step(model, opt, x, y, ctx)`` in ``path`` is one step of the sample's loop
-    on this rank's batch (returns the loss); make it keep the ranks' copies one model.
-
-    Runs the sample's loop (:func:`~mgtutorial.exercises.ch06_ranks.sync_worker`: the whole
-    ``ArticleMLP((64, 32, 10))`` from one seed, 3 SGD steps, each rank on batches of its own) on
-    ``nprocs`` ranks and compares, from the weights the ranks return: the copies with each other,
-    then with one process trained on the ranks' combined batches (:func:`one_process`), within
-    :func:`~mgtutorial.common.compare.float32_tolerance`. Reports the ``c10d`` operations the
-    step called.
-    """
-    ex = "06b.1 one model"
-    function_from(path, "train_step", ex)  # a missing file or a syntax error, before any rank
-    cfg = ch06_ranks.SyncConfig(path=str(Path(path).resolve()))
-    result = run_ranks(ex, ch06_ranks.sync_worker, cfg, nprocs, timeout_s=90, name="one-model")
-    states = [
-        {k: torch.tensor(v) for k, v in result.values[r]["state"].items()} for r in range(nprocs)
-    ]
-    tol = float32_tolerance("cuda" if env.resolve_backend("auto", nprocs) == "nccl" else "cpu")
-    calls = result.values[0]["c10d"][-1]
-    said = ", ".join(f"{n} × {op}" for op, n in sorted(calls.items())) or "no c10d operation"
-    apart = max(max_abs_diff(s, states[0]) for s in states[1:])
-    require(
-        apart < tol,
-        ex,
-        f"after {cfg.steps} steps the ranks' copies differ (by up to {apart:.1e}); one step of "
-        f"yours called {said}. Each copy stepped with something only it had: what must every rank "
-        "hold, the same, before opt.step()? (✗ 2.1; chapter 02, point 3)",
-    )
-    ranks = tuple(range(nprocs))
-    diff = max_abs_diff(states[0], one_process(cfg, ranks))
-    if diff >= tol:
-        why = (
-            f"they take a step {nprocs} times too large, as if each gradient were summed "
-            "over the ranks, not averaged"
-            if max_abs_diff(states[0], one_process(cfg, ranks, scale=nprocs)) < tol
-            else "they are what rank 0 trains alone: the other ranks' batches are lost"
-            if max_abs_diff(states[0], one_process(cfg, (0,))) < tol
-            else "they are not what one process trained on the combined batches computes"
-        )
-        raise ExerciseError(
-            ex,
-            f"the ranks' copies agree, but {why} (largest difference {diff:.1e}, tolerance "
-            f"{tol:g}); one step of yours called {said}. Compare with chapter 02, point 3",
-        )
-    passed(
-        ex,
-        f"{nprocs} ranks on batches of their own kept one model over {cfg.steps} steps, equal to "
-        f"one process on the combined batches (within {tol:g}); one step called {said}",
-    )
-
-
-# --- 06b.2: what retain_graph=True keeps, for any MLP ---------------------------------------------
+# --- 06b.1: what retain_graph=True keeps, for any MLP ---------------------------------------------
 
 CASES = (
     ((2048, 256, 10), 1, torch.float32),
@@ -112,7 +36,7 @@ CASES = (
     ((64, 32, 16, 8), 3, torch.float64),
     ((100, 10), 7, torch.bfloat16),
 )
-"""06b.2's configurations (sizes, batch size, dtype), checked in this order: not the article's
+"""06b.1's configurations (sizes, batch size, dtype), checked in this order: not the article's
 MLP, then deeper, then other dtypes."""
 
 _CASE_HINTS = (
@@ -141,10 +65,10 @@ def alive_after_step(
 
 
 def retained_bytes(fn) -> None:
-    """06b.2: ``fn(sizes, batch_size, dtype)`` returns the bytes (int) of saved activations alive
+    """06b.1: ``fn(sizes, batch_size, dtype)`` returns the bytes (int) of saved activations alive
     after one step with ``retain_graph=True`` of ``ArticleMLP(sizes)`` in ``dtype`` (input in
     ``dtype``, int64 targets, cross-entropy loss); the checker measures each of :data:`CASES`."""
-    ex = "06b.2 retained bytes"
+    ex = "06b.1 retained bytes"
     for (sizes, b, dtype), advice in zip(CASES, _CASE_HINTS):
         guess = answered(attempt(ex, fn, sizes, b, dtype), ex, "the return value")
         what = f"ArticleMLP(sizes={sizes}) in {str(dtype).removeprefix('torch.')} at batch {b}"
@@ -170,11 +94,11 @@ def retained_bytes(fn) -> None:
     )
 
 
-# --- 06b.3: the world a process group is told, on two nodes --------------------------------------
+# --- 06b.2: the world a process group is told, on two nodes --------------------------------------
 
 
 def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -> None:
-    """06b.3: ``join(part)`` in ``path`` returns ``{"world_size", "rank", "stage", "same_stage"}``
+    """06b.2: ``join(part)`` in ``path`` returns ``{"world_size", "rank", "stage", "same_stage"}``
     for the process started for sub-network ``part`` (0 … subnets − 1) on its node; ``same_stage``
     lists the ranks whose gradients for that stage must be averaged (the two nodes are two
     pipeline replicas).
@@ -185,7 +109,7 @@ def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -
     the ranks' return values: the world is the 6 processes, each rank is the one the process was
     started as, each runs stage rank % subnets, and names every rank of that stage as its peers.
     """
-    ex = "06b.3 world size"
+    ex = "06b.2 world size"
     function_from(path, "join", ex)  # a missing file or a syntax error, before any rank starts
     nprocs = nodes * subnets
     cfg = ch06_ranks.WorldConfig(path=str(Path(path).resolve()), subnets=subnets)

@@ -37,6 +37,8 @@ class LossExerciseConfig(Config):
     """The learner's file, defining ``epoch_loss(losses, ctx) -> float``."""
     seed: int = 0
     """Seed of the model and of each rank's batches."""
+    keep: list[int] | None = None
+    """How many of its batch losses each rank keeps (None: all of them, 4 and 6)."""
 
 
 def loss_worker(cfg: LossExerciseConfig) -> dict:
@@ -45,7 +47,7 @@ def loss_worker(cfg: LossExerciseConfig) -> dict:
     (``kind="epoch_loss"``)."""
     epoch_loss = function_from(cfg.path, "epoch_loss")
     with env.distributed() as ctx, runlog.RunLog() as log:
-        losses = ddp_flaws.batch_losses(ctx.rank, cfg.seed)
+        losses = ddp_flaws.batch_losses(ctx.rank, cfg.seed)[: (cfg.keep or [None] * 2)[ctx.rank]]
         reported = float(epoch_loss(losses, ctx))
         return log.write(kind="epoch_loss", losses=losses, reported=reported)
 

@@ -749,6 +749,67 @@ def nccl_async(w: Where) -> dict:
 
 
 @item(
+    "laptop_gpu_row",
+    chapter="00_setup (make check)",
+    min_gpus=1,
+    timeout_s=60,
+    what="the GPU row of `make check` (laptop_machine.check_gpu): the GPUs torch sees, their "
+    "names, and the backend 'auto' picks for the default ranks",
+)
+def laptop_gpu_row(w: Where) -> dict:
+    from mgtutorial.workshop import laptop_machine
+    from mgtutorial.workshop.laptop_packages import INFO
+
+    row = laptop_machine.check_gpu()
+    figures = {"status": row.status, "detail": row.detail}
+    expect(row.status == INFO, f"the GPU row is {row.status}, not {INFO}", figures)
+    if not w.cuda:
+        expect(row.detail.startswith("no CUDA GPU"), "the CPU row does not say so", figures)
+        return figures
+    names = sorted({torch.cuda.get_device_name(i) for i in range(w.gpus)})
+    backend = "nccl" if w.gpus >= 2 else "gloo"  # default ranks: one per GPU from 2 GPUs, else 2
+    want = f"{w.gpus} × {', '.join(names)}; backend auto → {backend}"
+    expect(row.detail == want, f"the GPU row reads {row.detail!r}, not {want!r}", figures)
+    return figures
+
+
+@item(
+    "nccl_exit_without_destroy",
+    chapter="06a_article_ddp",
+    min_gpus=1,
+    timeout_s=120,
+    what="a script that ends with its NCCL group up (06a 1.7, ddp_flaws.exit_without_destroy): "
+    "the 'destroy_process_group() was not called' warning, from rank 0 only, one rank per GPU",
+)
+def nccl_exit_without_destroy(w: Where) -> dict:
+    from mgtutorial.article import ddp_flaws
+
+    nprocs = w.gpus if w.cuda else 2
+    ranks = ddp_flaws.exit_without_destroy(w.backend, nprocs=nprocs, timeout=90)
+    warned = ["destroy_process_group() was not called" in r["stderr"] for r in ranks]
+    figures = {
+        "backend": w.backend,
+        "ranks": nprocs,
+        "warned": warned,
+        "exit_codes": [r["returncode"] for r in ranks],
+        "aborted": [r["aborted"] for r in ranks],
+        "stderr_rank0": ranks[0]["stderr"].splitlines()[-4:],
+    }
+    expect(all(r["exit_reached"] for r in ranks), "a rank skipped the interpreter's exit", figures)
+    expect(all(r["initialized_at_exit"] for r in ranks), "the group was not up at exit", figures)
+    # NCCL warns from rank % (GPUs on the node) == 0: the first rank of the node; gloo never
+    expect(warned == [w.cuda] + [False] * (nprocs - 1), "not the warning the chapter says", figures)
+    fixed = ddp_flaws.exit_without_destroy(w.backend, nprocs=nprocs, destroy=True, timeout=90)
+    figures["with_destroy_exit_codes"] = [r["returncode"] for r in fixed]
+    expect(
+        not any("destroy_process_group" in r["stderr"] for r in fixed),
+        "warned although destroy_process_group was called",
+        figures,
+    )
+    return figures
+
+
+@item(
     "ddp_nccl_vs_one_process",
     chapter="02_ddp",
     min_gpus=2,
@@ -1119,6 +1180,110 @@ def zero_bubble_interleaved(w: Where) -> dict:
     ref, _ = schedules.unsplit_reference(cfg)
     figures["interleaved_max_param_diff"] = _max_diff(got, ref.state_dict())
     _close(got, ref.state_dict(), "interleaved 1F1B vs unsplit", figures)
+    return figures
+
+
+@item(
+    "handoff_nccl",
+    chapter="04z_appendix_delays",
+    min_gpus=2,
+    timeout_s=120,
+    what="04z's hand-off timing on 2 GPUs (handoff.handoff_worker: send/recv, timed after "
+    "torch.cuda.synchronize): a floor and a median per size, the bytes of each activation",
+)
+def handoff_nccl(w: Where) -> dict:
+    from mgtutorial.pipeline import handoff
+
+    cfg = handoff.HandoffConfig(rows=[256, 64], reps=10, backend=w.backend)
+    rows = _run(handoff.handoff_worker, cfg, 2, w).values[0]
+    figures = {"width": cfg.width, "rows": rows}
+    expect([r["rows"] for r in rows] == cfg.rows, "not one row per size, in order", figures)
+    for r in rows:
+        expect(r["bytes"] == r["rows"] * cfg.width * 4, f"{r['rows']} rows: bytes", figures)
+        expect(0 < r["handoff_ms"] <= r["median_ms"], f"{r['rows']} rows: floor > median", figures)
+    return figures
+
+
+@item(
+    "fsdp2_part_counts",
+    chapter="07b_fsdp2",
+    min_gpus=2,
+    timeout_s=150,
+    what="07b's collective counts (fsdp.part_counts, CommDebugMode) on all GPUs == "
+    "predicted_collectives for 1-3 blocks, every reshard_after_forward; the CUDA peak measured",
+)
+def fsdp2_part_counts(w: Where) -> dict:
+    from mgtutorial.sharding import worker as shard_worker
+
+    cfg = shard_worker.ShardConfig(parts=["counts"], backend=w.backend)
+    rows = _run(shard_worker.worker, cfg, w.nprocs, w, timeout_s=120).values[0]["counts"]
+    figures = {
+        "world_size": w.nprocs,
+        "rows": [
+            {k: r[k] for k in ("blocks", "reshard_after_forward", "counted", "peak_cuda_bytes")}
+            for r in rows
+        ],
+    }
+    expect(len(rows) == 9, f"{len(rows)} rows, not 3 block counts × 3 settings", figures)
+    for r in rows:
+        expect(
+            r["counted"] == r["predicted"],
+            f"{r['blocks']} block(s), "
+            f"reshard_after_forward={r['reshard_after_forward']}: counted != predicted",
+            figures,
+        )
+        if w.cuda:  # the step's peak holds at least what was gathered at once
+            expect(
+                isinstance(r["peak_cuda_bytes"], int)
+                and r["peak_cuda_bytes"] >= max(r["alive_bytes"]),
+                "the CUDA peak is missing or below the gathered bytes",
+                figures,
+            )
+        else:
+            expect(r["peak_cuda_bytes"] is None, "a CUDA peak on CPU", figures)
+    return figures
+
+
+@item(
+    "exercise_06a2_nccl_hint",
+    chapter="06a_article_ddp",
+    min_gpus=2,
+    timeout_s=150,
+    what="exercise 06a.2's checker on NCCL: the loss tensor left on the CPU fails with the hint "
+    "that NCCL all-reduces CUDA tensors only; on ctx.device it passes",
+)
+def exercise_06a2_nccl_hint(w: Where) -> dict:
+    import contextlib
+    import io
+    import os
+
+    from mgtutorial.exercises import ExerciseError, ch06a
+
+    body = (
+        "import torch\nimport torch.distributed as dist\n\n\ndef epoch_loss(losses, ctx):\n"
+        "    total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64{where})\n"
+        "    dist.all_reduce(total)\n    return float(total[0] / total[1])\n"
+    )
+    os.chdir(w.workdir)  # the checker's runs go to runs/exercises here
+    figures: dict = {}
+    for name, where in (("on_cpu", ""), ("on_ctx_device", ", device=ctx.device")):
+        path = w.workdir / f"ex06a_loss_{name}.py"
+        path.write_text(body.format(where=where))
+        try:
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                ch06a.global_mean_loss(str(path))
+            figures[name] = out.getvalue().strip()
+        except ExerciseError as exc:
+            figures[name] = f"ExerciseError: {exc.hint}"
+    expect(figures["on_ctx_device"].startswith("✓"), "the right answer did not pass", figures)
+    if w.cuda:  # NCCL refuses the CPU tensor, and the checker says why
+        expect(
+            "NCCL all-reduces CUDA tensors only" in figures["on_cpu"],
+            "the CPU tensor did not get the NCCL hint",
+            figures,
+        )
+    else:  # gloo all-reduces CPU tensors: the same answer passes (what the exercise text says)
+        expect(figures["on_cpu"].startswith("✓"), "gloo refused a CPU tensor", figures)
     return figures
 
 

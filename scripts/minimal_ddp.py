@@ -62,8 +62,8 @@ if __name__ == "__main__":
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
     p.add_argument("--lr", type=float, default=0.05)
     main(**vars(p.parse_args()))
-    # Leave without the interpreter's teardown of C++ objects: destroying gloo's threads there can
-    # abort a rank that has finished ("terminate called without an active exception"), which
-    # torchrun would report as a failed job.
+    # Leave without the interpreter's teardown of C++ objects: gloo's threads torn down there can
+    # abort a rank that has finished ("terminate called without an active exception", reported in
+    # pytorch/pytorch#190489, shown in notebook 06a, 1.7), which torchrun reports as a failed job.
     sys.stdout.flush()
     os._exit(0)

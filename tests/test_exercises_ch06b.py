@@ -1,51 +1,50 @@
-"""Exercise 06b.1's checker (the sample, reviewed): the solution passes, the starter and each
-classic wrong answer get their own hint, and no hint prints a measured value."""
+"""Exercise 06b.1 (the bytes retain_graph=True keeps, for any MLP): the solution passes, the
+starter and each classic wrong answer get their own hint, and no hint prints the answer."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from mgtutorial.common.models import ArticleMLP, count_parameters
 from mgtutorial.exercises import ExerciseError, ch06b
 
-ONE = count_parameters(ArticleMLP(sizes=ch06b.SIZES))
-RIGHT = {"parameters": 2 * ONE, "sent": 0, "collectives": 0, "copies_equal": False}
+
+def _right(sizes, batch_size, dtype):
+    size = torch.empty((), dtype=dtype).element_size()
+    return batch_size * sum(sizes) * size + batch_size * 8 + size
 
 
-def test_the_measurement_is_the_samples():
-    assert ch06b.sample_measured() == RIGHT
-    # one model, one process: nothing to compare, and half the parameters
-    assert ch06b.sample_measured(sizes=(2048, 10))["parameters"] == 2048 * 10 + 10
-
-
-def test_the_solution_passes(capsys):
-    ch06b.sample_reviewed(dict(RIGHT))
-    assert capsys.readouterr().out.startswith("✓ 06b.1 the sample, reviewed:")
+def test_06b1_solution_passes(capsys):
+    ch06b.retained_bytes(_right)
+    assert capsys.readouterr().out.startswith("✓ 06b.1 retained bytes: your function gives")
 
 
 @pytest.mark.parametrize(
-    "change, hint",
+    "fn, hint",
     [
-        ({"parameters": ...}, "is still `...`"),
-        ({"parameters": ONE}, "one model's parameters"),
-        ({"parameters": 524544}, "one sub-network's parameters"),
-        ({"parameters": 3 * ONE}, "it is not what the processes hold"),
-        ({"parameters": float(2 * ONE)}, "a whole number"),
-        ({"sent": 1}, "find the line of the sample's loop that would send"),
-        ({"sent": 2}, "find the line of the sample's loop that would send"),
-        ({"collectives": 4}, "which line of the sample's loop calls a collective"),
-        ({"copies_equal": True}, "what would make their steps equal"),
-        ({"copies_equal": 0}, "True or False"),
+        # the starter: section 2.3's numbers, for the article's MLP only
+        (lambda s, b, d: b * (1024 + 512 + 256 + 100) * 4 + b * 8 + 4, "redo section 2.3"),
+        (lambda s, b, d: b * sum(s) * 4 + b * 8 + 4, "another dtype"),  # float32 always
+        (lambda s, b, d: _right(s, b, d) - 4 if d != torch.float64 else 0, "too few"),
+        (lambda s, b, d: _right(s, b, d) + b * sum(s[1:-1]) * 4, "too many"),  # ReLU twice
+        (lambda s, b, d: _right(s, b, d) if len(s) == 3 else 0, "a deeper MLP"),
+        (lambda s, b, d: _right(s, b, d) if d != torch.bfloat16 else 0, "bfloat16"),
+        (lambda s, b, d: float(_right(s, b, d)), "a whole number of bytes"),
+        (lambda s, b, d: ..., "not written yet"),
     ],
 )
-def test_each_classic_wrong_answer_gets_its_hint(change, hint):
+def test_06b1_wrong_functions_get_their_hint(fn, hint):
     with pytest.raises(ExerciseError, match="06b.1") as err:
-        ch06b.sample_reviewed(RIGHT | change)
+        ch06b.retained_bytes(fn)
     assert hint in err.value.hint
-    for value in (str(2 * ONE), f"{2 * ONE:,}", str(ONE), f"{ONE:,}"):
-        assert value not in err.value.hint or value in repr(change)
+    for sizes, b, dtype in ch06b.CASES:  # no hint gives a measured value (but your own: a float)
+        got = ch06b.alive_after_step(True, b, sizes, dtype)
+        if f"you return {float(got)!r}" in err.value.hint:
+            continue
+        assert str(got) not in err.value.hint and f"{got:,}" not in err.value.hint
 
 
-def test_not_a_dict_is_refused():
-    with pytest.raises(ExerciseError, match="not a dict"):
-        ch06b.sample_reviewed([2 * ONE, 0, 0, False])
+def test_06b1_cases_are_measured_not_assumed():
+    for sizes, b, dtype in ch06b.CASES:
+        assert ch06b.alive_after_step(True, b, sizes, dtype) == _right(sizes, b, dtype)
+    assert ch06b.alive_after_step(False, 256) == 0

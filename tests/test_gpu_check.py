@@ -81,7 +81,7 @@ def test_select_by_gpu_count_and_names():
 
 def test_registry_covers_one_and_two_gpu_items():
     names = list(ITEMS)
-    assert len(names) == len(set(names)) == 19
+    assert len(names) == len(set(names)) == 25
     assert {
         "nccl_world_size_1",
         "ddp_cuda0_vs_cpu",
@@ -89,6 +89,8 @@ def test_registry_covers_one_and_two_gpu_items():
         "fsdp2_memory",
         "cuda_event_timing",
         "nccl_async",
+        "laptop_gpu_row",
+        "nccl_exit_without_destroy",
     } == {n for n, it in ITEMS.items() if it.min_gpus == 1}
     assert all(
         it.min_gpus in (1, 2, 4) and it.timeout_s > 0 and it.chapter and it.what

@@ -27,12 +27,11 @@ from torch.utils.data import DataLoader
 from mgtutorial.common import data
 from mgtutorial.common.config import Config
 from mgtutorial.runtime import env, runlog
+from mgtutorial.runtime.launcher import free_port
 
 # --- worker demonstrations (each rank runs one; they return what they saw) ----------------------
 
-Flaw = Literal[
-    "device_ids", "no_sampler", "no_set_epoch", "fixed_sampler", "summed_loss", "no_destroy"
-]
+Flaw = Literal["device_ids", "no_sampler", "no_set_epoch", "fixed_sampler", "summed_loss"]
 """The flaws :func:`flaw_worker` reproduces."""
 
 
@@ -62,20 +61,10 @@ def flaw_worker(cfg: FlawConfig) -> dict:
       ``set_epoch``, and done right.
     * ``summed_loss``: each rank's sum of batch losses over an epoch (what the article prints) vs
       the mean over all ranks and batches (``global_mean``).
-    * ``no_destroy``: return without ``destroy_process_group``: the group is still up when the
-      worker ends (``initialized_at_exit``). On gloo nothing is printed at exit; on NCCL torch
-      prints "WARNING: destroy_process_group() was not called before program exit, which can leak
-      resources" (torch 2.14.1).
+
+    The missing ``destroy_process_group`` shows only when a process exits the way a script does,
+    which a :func:`~mgtutorial.launch` rank does not: see :func:`exit_without_destroy`.
     """
-    if cfg.flaw == "no_destroy":
-        # the article's shape: init, train, return — no destroy_process_group
-        backend = env.resolve_backend("auto")
-        device = env.device_for(backend)  # NCCL reduces only CUDA tensors: cuda:LOCAL_RANK
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend)
-        dist.all_reduce(torch.ones(1, device=device))
-        return {"rank": dist.get_rank(), "initialized_at_exit": dist.is_initialized()}
     with env.distributed() as ctx:
         if cfg.flaw == "device_ids":
             return {"rank": ctx.rank, **_device_ids(ctx)}
@@ -134,6 +123,104 @@ def _summed_loss(cfg: FlawConfig, ctx: env.DistContext) -> dict:
     total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(total)
     return {"summed": sum(losses), "global_mean": float(total[0] / total[1])}
+
+
+# --- the end of a script whose process group is still up ----------------------------------------
+
+EXIT_REACHED = "the interpreter's exit ran"
+"""What :data:`NO_DESTROY_PROGRAM` writes to stderr from an ``atexit`` handler: the process went
+through the interpreter's normal exit, where a live process group is torn down."""
+
+ABORT = "terminate called without an active exception"
+"""What the C++ runtime prints when it aborts a process because a thread was left running."""
+
+NO_DESTROY_PROGRAM = f"""
+import atexit, os, sys
+import torch
+import torch.distributed as dist
+
+backend, destroy = sys.argv[1], sys.argv[2] == "destroy"
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else "cpu"
+if backend == "nccl":
+    torch.cuda.set_device(device)
+dist.init_process_group(backend)
+dist.all_reduce(torch.ones(1, device=device))  # the training
+if destroy:
+    dist.destroy_process_group()  # the fix
+print("initialized at exit:", dist.is_initialized(), flush=True)
+atexit.register(print, {EXIT_REACHED!r}, file=sys.stderr, flush=True)
+# the sample's run() returns here, and the script ends: the interpreter exits
+"""
+"""The DDP sample's shape as a script: join the group, one all-reduce, end with the group still up
+(``argv``: backend, then ``destroy`` to call ``destroy_process_group`` first)."""
+
+
+def exit_without_destroy(
+    backend: str = "gloo", nprocs: int = 2, destroy: bool = False, timeout: float = 60.0
+) -> list[dict]:
+    """Run :data:`NO_DESTROY_PROGRAM` as ``nprocs`` ranks of one group on this machine, each a fresh
+    interpreter that ends as a script does: through the interpreter's exit, where C++ objects such
+    as the live process group are destroyed (a :func:`~mgtutorial.launch` rank skips that exit with
+    ``os._exit``, so it shows none of this). ``destroy=True`` runs the fixed form.
+
+    Returns one dict per rank: ``rank``, ``returncode`` (negative: killed by that signal, −6 for
+    an abort), ``initialized_at_exit`` (bool, None if the rank never printed it), ``exit_reached``
+    (:data:`EXIT_REACHED` is on its stderr), ``aborted`` (:data:`ABORT` is), ``stderr`` (text).
+    What torch 2.14.1 does there: on gloo no warning, but a rank can abort in the teardown of
+    gloo's threads (https://github.com/pytorch/pytorch/issues/190489); on NCCL the process group's
+    destructor warns ("WARNING: destroy_process_group() was not called before program exit, …")
+    from each rank whose rank is a multiple of the node's GPU count. Taught in
+    notebooks/06a_article_ddp.ipynb, section 1.7; see
+    https://pytorch.org/docs/stable/distributed.html#shutdown.
+
+    Raises:
+        ValueError: ``backend`` is not "gloo" or "nccl", or ``nprocs`` < 1.
+        subprocess.TimeoutExpired: the ranks had not ended after ``timeout`` s (all are killed).
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: use 'gloo' or 'nccl' (NCCL needs a GPU per rank)")
+    if nprocs < 1:
+        raise ValueError(f"nprocs={nprocs}: run at least one rank")
+    common = {
+        **os.environ,
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    argv = [sys.executable, "-c", NO_DESTROY_PROGRAM, backend, "destroy" if destroy else "keep"]
+    procs = [
+        subprocess.Popen(
+            argv,
+            env={**common, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(nprocs)
+    ]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:  # a rank left waiting for a peer that died: stop it
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    ranks = []
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        said = [ln.rsplit(" ", 1)[1] for ln in out.splitlines() if ln.startswith("initialized")]
+        ranks.append(
+            {
+                "rank": r,
+                "returncode": p.returncode,
+                "initialized_at_exit": {"True": True, "False": False}.get(said[-1] if said else ""),
+                "exit_reached": EXIT_REACHED in err,
+                "aborted": ABORT in err,
+                "stderr": err,
+            }
+        )
+    return ranks
 
 
 # --- a rank and a world size, claimed ------------------------------------------------------------

@@ -2,9 +2,9 @@
 own shuffle of the data and never exchanges a gradient, so the ranks hold N unsynchronised copies,
 not one model split over devices.
 
-Taught in notebooks/06b_article_model_parallel.ipynb (its flaws; exercise 06b.1 predicts what
-the sample holds, sends and reduces) and first run in notebooks/04a_pipeline_gpipe.ipynb, before
-the naive split of :mod:`mgtutorial.pipeline.naive`. Follows
+Taught in notebooks/06b_article_model_parallel.ipynb (its flaws) and first run in
+notebooks/04a_pipeline_gpipe.ipynb, before the naive split of :mod:`mgtutorial.pipeline.naive`.
+Follows
 https://pytorch.org/tutorials/intermediate/model_parallel_tutorial.html (what a split model is)
 and https://pytorch.org/docs/stable/notes/ddp.html (what keeps copies equal).
 """

@@ -236,9 +236,9 @@ def train_loader(
 
     Uses :class:`~torch.utils.data.distributed.DistributedSampler`: every epoch the index list is
     shuffled with ``seed + epoch`` (identically on every rank), padded to a multiple of
-    ``world_size`` and dealt out rank by rank, so the ranks' shards are disjoint and together cover
-    the data. **Call** ``loader.sampler.set_epoch(epoch)`` **every epoch**, or every epoch repeats
-    epoch 0's order.
+    ``world_size`` (by repeating indices from its start) and dealt out rank by rank, so the ranks'
+    shards together cover the data and overlap only in the few repeated samples. **Call**
+    ``loader.sampler.set_epoch(epoch)`` **every epoch**, or every epoch repeats epoch 0's order.
 
     ``batch_size`` is per rank: the effective (global) batch is ``batch_size × world_size``.
     """

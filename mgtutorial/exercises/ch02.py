@@ -1,5 +1,6 @@
-"""Checkers of chapter 02's exercises (notebooks/02_ddp.ipynb): a failing rank, the sampler's
-shares and ``set_epoch``, the equality with a batch of 15, and the linear scaling rule."""
+"""Checkers of chapter 02's exercises (notebooks/02_ddp.ipynb): a failing rank, chapter 01's loop
+made a DDP rank, the last, shorter batch of an epoch on 3 ranks, and the linear scaling
+rule."""
 
 from __future__ import annotations
 
@@ -7,19 +8,19 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.utils.data import DistributedSampler
 
 from mgtutorial import ddp
 from mgtutorial.common import data
 from mgtutorial.common.compare import float32_tolerance, max_abs_diff
+from mgtutorial.exercises import ch02_ranks
 from mgtutorial.exercises._common import (
     ExerciseError,
     answered,
     attempt,
     close,
+    function_from,
     passed,
     require,
-    run_file,
     run_ranks,
 )
 from mgtutorial.runtime import env
@@ -84,82 +85,54 @@ def failing_rank(cfg: ElasticConfig, predicted: dict) -> None:
     )
 
 
-def _reference_indices(n: int, world_size: int, epochs: int, seed: int = 0) -> list:
-    """``[rank][epoch]`` → the indices (a list of ints) that DistributedSampler(shuffle=True,
-    seed) deals that rank."""
-    out = []
-    for rank in range(world_size):
-        sampler = DistributedSampler(
-            range(n), num_replicas=world_size, rank=rank, shuffle=True, seed=seed
-        )
-        out.append([])
-        for epoch in range(epochs):
-            sampler.set_epoch(epoch)
-            out[-1].append(list(sampler))
-    return out
-
-
-def sampler_shares(path: str = "ex02_sampler.py", epochs: int = 2) -> None:
-    """02.2: ``draw_indices(cfg)`` in ``path`` returns, in each rank, a list with one list of
-    sample indices per epoch (epochs 0 and 1) from this rank's DistributedSampler over the digits
-    training set. Runs on 2 ranks; compared with DistributedSampler(shuffle=True, seed=0) built
-    here."""
-    ex = "02.2 the sampler's shares"
-    n = len(data.load_digits()[0])
-    values = run_file(ex, path, "draw_indices", 2, timeout_s=20).values
-    for rank, drawn in sorted(values.items()):
-        require(
-            isinstance(drawn, list)
-            and len(drawn) == epochs
-            and all(isinstance(e, list) for e in drawn),
-            ex,
-            f"rank {rank} returned {type(drawn).__name__}: return one list of indices per epoch",
-        )
-    a, b = values[0], values[1]
+def own_rank(path: str = "ex02_rank.py") -> None:
+    """02.2: ``train(cfg, ctx)`` in ``path`` is chapter 01's loop made one rank of DDP, run in the
+    rank's process group (``ctx``: :class:`~mgtutorial.runtime.env.DistContext`); it returns the
+    model (wrapped or not). Runs it on 2 ranks
+    (:func:`~mgtutorial.exercises.ch02_ranks.rank_worker`: 2 epochs of the digits, batch 32 per
+    rank, SGD) and compares each rank's parameters with one
+    process trained on the ranks' combined batches
+    (:func:`~mgtutorial.exercises.ch02_ranks.one_process`), within ``float32_tolerance``."""
+    ex = "02.2 your own DDP rank"
+    function_from(path, "train", ex)  # a missing file or a syntax error, before any rank starts
+    cfg = ch02_ranks.RankExerciseConfig(path=str(Path(path).resolve()))
+    run_dir = run_ranks(ex, ch02_ranks.rank_worker, cfg, 2, timeout_s=120, name="ex02_rank").run_dir
+    got = [torch.load(run_dir / f"params{r}.pt", weights_only=True) for r in (0, 1)]
+    tol = float32_tolerance("cuda" if env.resolve_backend("auto", 2) == "nccl" else "cpu")
     require(
-        a[0] != b[0],
+        max_abs_diff(got[1], got[0]) < tol,
         ex,
-        "rank 0 and rank 1 drew the same indices — did you pass `rank` to the sampler?",
+        "the two ranks end with different models: each stepped on its own gradients. Which of "
+        "the changes of 'What changed from chapter 01' makes every rank take the same step?",
     )
-    require(
-        set(a[0]) | set(b[0]) == set(range(n)),
-        ex,
-        f"together the ranks drew {len(set(a[0]) | set(b[0]))} of the {n} samples: did you pass "
-        "`num_replicas` (the world size) to the sampler?",
-    )
-    for rank, drawn in sorted(values.items()):
-        unshuffled = list(DistributedSampler(range(n), num_replicas=2, rank=rank, shuffle=False))
-        require(
-            drawn[0] != unshuffled,
+    if max_abs_diff(got[0], ch02_ranks.one_process(cfg)) < tol:
+        return passed(
             ex,
-            f"rank {rank} drew the indices in order, every second one from "
-            f"{rank} ([{rank}::2]): the sampler does not shuffle; keep "
-            "shuffle=True (its default)",
+            f"2 ranks trained {cfg.epochs} epochs on their own shares and equal one process on "
+            f"the combined batches (within {tol:g})",
         )
-        require(
-            drawn[1] != drawn[0],
-            ex,
-            f"rank {rank} drew the same order in epoch 1 as in epoch 0: call "
-            "sampler.set_epoch(epoch) before drawing each epoch",
-        )
-    reference = _reference_indices(n, 2, epochs)
-    for rank, drawn in sorted(values.items()):
-        for epoch in range(epochs):
-            require(
-                drawn[epoch] == reference[rank][epoch],
-                ex,
-                f"rank {rank}'s indices in epoch {epoch} are not DistributedSampler(shuffle=True, "
-                f"seed=0)'s after set_epoch({epoch}): keep the seed 0 and shuffle=True",
-            )
-    twice = 2 * len(a[0]) - n
-    passed(
+    for ref, why in (
+        (
+            dict(ranks=(0, 0)),
+            "the model of rank 0's share only: both ranks drew the same samples. Tell the "
+            "sampler which rank this is",
+        ),
+        (
+            dict(set_epoch=False),
+            "right in epoch 0, but epoch 1 repeated epoch 0's order: what does the sampler need "
+            "at the start of every epoch?",
+        ),
+    ):
+        require(max_abs_diff(got[0], ch02_ranks.one_process(cfg, **ref)) >= tol, ex, why)
+    raise ExerciseError(
         ex,
-        f"2 ranks drew {len(a[0])} indices each, together all {n} samples ({twice} drawn twice), "
-        f"in a new order in epoch 1",
+        "the ranks agree, but not with one process on the combined batches: does each rank train "
+        "on its own share of every epoch? Compare your rank with the five changes of 'What "
+        "changed from chapter 01' (the seed, the loss and the optimizer stay chapter 01's)",
     )
 
 
-def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
+def last_batch(predicted: dict, nprocs: int = 3, batch_size: int = 100) -> None:
     """02.3: predictions for DDP on ``nprocs`` ranks with ``batch_size`` per rank over the whole
     first epoch of the digits: ``"samples_per_rank"``, ``"steps"`` (batches per rank),
     ``"last_batch"`` (samples in each rank's last batch), and ``"equal"`` (bool: DDP's parameters
@@ -185,14 +158,14 @@ def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
     require(
         guess["steps"] == steps,
         ex,
-        f'predicted["steps"] = {guess["steps"]}: {per_rank} samples in '
-        f"batches of {batch_size}, the last one shorter (drop_last=False)",
+        f'predicted["steps"] = {guess["steps"]}: how many batches of {batch_size} does one '
+        "rank's share make, when the loader keeps a last, shorter one (drop_last=False)?",
     )
     require(
         {guess["last_batch"]} == last,
         ex,
-        f'predicted["last_batch"] = {guess["last_batch"]}: what is '
-        f"left of {per_rank} after {steps - 1} full batches?",
+        f'predicted["last_batch"] = {guess["last_batch"]}: the last batch holds what the '
+        "full batches leave of one rank's share",
     )
     checkpoint = Path("runs/exercises/ex02_last_batch.pt").resolve()
     cfg = ddp.DDPConfig(
@@ -212,9 +185,8 @@ def last_batch(predicted: dict, nprocs: int = 2, batch_size: int = 100) -> None:
     require(
         guess["equal"] == equal,
         ex,
-        f'predicted["equal"] = {guess["equal"]}, but DDP {"equals" if equal else "differs from"} '
-        "one process on the combined batches: at the last step, does every rank's batch have the "
-        "same size?",
+        f'predicted["equal"] = {guess["equal"]}: not what the run and the reference show. At the '
+        "last step, does every rank's batch have the same size, and what does DDP average?",
     )
     passed(
         ex,
@@ -270,20 +242,16 @@ def linear_scaling(lr_at: Callable) -> None:
             f"after warm-up {where} is {got:g}: multiply base_lr by the factor the batch grew, "
             f"(batch_size × world_size) / base_batch = {effective}/{base_batch}",
         )
-    for kw in cases:
-        base_lr, warmup, where = kw["base_lr"], kw["warmup_steps"], _shown(kw)
-        if warmup:
-            got0, got_mid = attempt(ex, lr_at, 0, **kw), attempt(ex, lr_at, warmup // 2, **kw)
+    for kw in cases:  # the whole line, not only the points above: every step, and a late one
+        warmup, where = kw["warmup_steps"], _shown(kw)
+        for step in [*range(warmup + 4), 10 * warmup + 1000]:
+            got = attempt(ex, lr_at, step, **kw)
             require(
-                close(got0, base_lr),
+                close(got, _reference_lr(step, **kw)),
                 ex,
-                f"{where} at step 0 is {got0:g}: the warm-up starts from base_lr = {base_lr:g}",
-            )
-            require(
-                close(got_mid, _reference_lr(warmup // 2, **kw)),
-                ex,
-                f"{where} at step {warmup // 2} is {got_mid:g}: halfway through the warm-up the "
-                "rate is halfway from base_lr to the scaled rate (a straight line)",
+                f"{where} at step {step} is {got:g}, off the rule: a straight line from base_lr "
+                "at step 0 (the warm-up's start) to the scaled rate at step warmup_steps, and the "
+                "scaled rate from there on",
             )
     example = _reference_lr(10, *CASES[0])
     passed(

@@ -3,7 +3,7 @@ notebooks/06b_article_model_parallel.ipynb): each worker is one of the article's
 :mod:`mgtutorial.article` re-creates it, with the learner's function where the flaw was.
 
 :mod:`mgtutorial.exercises.ch06a` and :mod:`mgtutorial.exercises.ch06b` launch them (06a.2,
-06b.3) and read what they logged (``runlog``) or returned. Each loads the learner's
+06b.2) and read what they logged (``runlog``) or returned. Each loads the learner's
 file in the rank with :func:`~mgtutorial.exercises._common.function_from`.
 """
 
@@ -37,6 +37,8 @@ class LossExerciseConfig(Config):
     """The learner's file, defining ``epoch_loss(losses, ctx) -> float``."""
     seed: int = 0
     """Seed of the model and of each rank's batches."""
+    keep: list[int] | None = None
+    """How many of its batch losses each rank keeps (None: all of them, 4 and 6)."""
 
 
 def loss_worker(cfg: LossExerciseConfig) -> dict:
@@ -45,12 +47,12 @@ def loss_worker(cfg: LossExerciseConfig) -> dict:
     (``kind="epoch_loss"``)."""
     epoch_loss = function_from(cfg.path, "epoch_loss")
     with env.distributed() as ctx, runlog.RunLog() as log:
-        losses = ddp_flaws.batch_losses(ctx.rank, cfg.seed)
+        losses = ddp_flaws.batch_losses(ctx.rank, cfg.seed)[: (cfg.keep or [None] * 2)[ctx.rank]]
         reported = float(epoch_loss(losses, ctx))
         return log.write(kind="epoch_loss", losses=losses, reported=reported)
 
 
-# --- 06b.3: the world a process group is told, on two nodes --------------------------------------
+# --- 06b.2: the world a process group is told, on two nodes --------------------------------------
 
 
 @dataclass(kw_only=True)

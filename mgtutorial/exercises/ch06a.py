@@ -150,8 +150,22 @@ def global_mean_loss(path: str = "ex06a_loss.py") -> None:
         f"both ranks report {got[0]:.4f}, but the mean of all {len(own[0] + own[1])} batch losses "
         f"(one process) is {reference:.4f}: divide the all-reduced sum by the all-reduced count",
     )
+    # the same file with other counts: a count written into the function shows here
+    keep = [1, 3]
+    cfg = ch06_ranks.LossExerciseConfig(path=str(Path(path).resolve()), keep=keep)
+    result = run_ranks(ex, ch06_ranks.loss_worker, cfg, 2, name="epoch-loss")
+    again = [r["reported"] for r in runlog.of_kind(runlog.read_run(result.run_dir), "epoch_loss")]
+    kept = own[0][: keep[0]] + own[1][: keep[1]]
+    require(
+        all(close(g, sum(kept) / len(kept), rel=1e-5) for g in again),
+        ex,
+        f"with {keep[0]} and {keep[1]} batches the ranks report "
+        f"{', '.join(f'{g:.4f}' for g in again)}, not the mean of those {len(kept)} losses: does "
+        "your function count the batches, or assume how many there are?",
+    )
     passed(
         ex,
         f"both ranks report the mean of all {len(own[0] + own[1])} batch losses ({len(own[0])} on "
-        f"rank 0, {len(own[1])} on rank 1), equal to the one-process reference",
+        f"rank 0, {len(own[1])} on rank 1), equal to the one-process reference, and again with "
+        f"{keep[0]} and {keep[1]}",
     )

@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import nbformat
@@ -302,15 +301,6 @@ def check_writefile_fresh(nb) -> list[str]:
     ]
 
 
-STALE_WRITEFILE = {  # executed with stale exercise files present; remove each once re-executed
-    "00_setup",
-    "03a_collectives",
-    "03b_ddp_internals",
-    "03c_ddp_pitfalls",
-    "05c_hangs_and_debugging",
-    "06b_article_model_parallel",
-}
-
 
 CHECKS = [
     check_kernel,
@@ -355,10 +345,6 @@ def test_prose_length_check_can_fail():
 def test_notebook(path, check):
     nb = nbformat.read(path, as_version=4)
     problems = check(nb)
-    if check is check_writefile_fresh and path.stem in STALE_WRITEFILE:
-        if not problems:
-            warnings.warn(f"{path.stem} no longer overwrites: remove it from STALE_WRITEFILE")
-        return
     assert not problems, f"{path.name}:\n  " + "\n  ".join(problems)
 
 

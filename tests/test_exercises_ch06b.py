@@ -1,17 +1,27 @@
-"""Exercise 06b.1 (the bytes retain_graph=True keeps, for any MLP): the solution passes, the
-starter and each classic wrong answer get their own hint, and no hint prints the answer."""
+"""Exercise 06b.1 (the bytes retain_graph=True keeps, for an MLP with Tanh or GELU): the solution
+passes, the starter and each classic wrong answer get their own hint, and no hint prints the
+answer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+from mgtutorial.common.models import ArticleMLP
 from mgtutorial.exercises import ExerciseError, ch06b
+from mgtutorial.pipeline.activations import ActivationMeter
 
 
-def _right(sizes, batch_size, dtype):
+def _right(sizes, batch_size, dtype, activation):
     size = torch.empty((), dtype=dtype).element_size()
-    return batch_size * sum(sizes) * size + batch_size * 8 + size
+    hidden = sum(sizes[1:-1])  # GELU keeps its input, the Linear before it its output's input
+    extra = hidden if activation is nn.GELU else 0
+    return batch_size * (sum(sizes) + extra) * size + batch_size * 8 + size
+
+
+def _relu_rule(s, b, d, a):  # section 2.3's rule: right for Tanh (saves its output), not for GELU
+    return _right(s, b, d, nn.Tanh)
 
 
 def test_06b1_solution_passes(capsys):
@@ -22,29 +32,44 @@ def test_06b1_solution_passes(capsys):
 @pytest.mark.parametrize(
     "fn, hint",
     [
-        # the starter: section 2.3's numbers, for the article's MLP only
-        (lambda s, b, d: b * (1024 + 512 + 256 + 100) * 4 + b * 8 + 4, "redo section 2.3"),
-        (lambda s, b, d: b * sum(s) * 4 + b * 8 + 4, "another dtype"),  # float32 always
-        (lambda s, b, d: _right(s, b, d) - 4 if d != torch.float64 else 0, "too few"),
-        (lambda s, b, d: _right(s, b, d) + b * sum(s[1:-1]) * 4, "too many"),  # ReLU twice
-        (lambda s, b, d: _right(s, b, d) if len(s) == 3 else 0, "a deeper MLP"),
-        (lambda s, b, d: _right(s, b, d) if d != torch.bfloat16 else 0, "bfloat16"),
-        (lambda s, b, d: float(_right(s, b, d)), "a whole number of bytes"),
-        (lambda s, b, d: ..., "not written yet"),
+        # section 2.3's numbers, for the article's MLP only
+        (lambda s, b, d, a: b * (1024 + 512 + 256 + 100) * 4 + b * 8 + 4, "redo section 2.3"),
+        (_relu_rule, "GELU: which tensor"),  # the ReLU rule applied to GELU
+        # GELU's saved input counted, but the Linear's output counted a second time
+        (lambda s, b, d, a: _right(s, b, d, a) + b * sum(s[1:-1]) * 4, "too many"),
+        (lambda s, b, d, a: _right(s, b, d, a) * 4 // torch.empty((), dtype=d).element_size(),
+         "another dtype"),  # float32 always
+        (lambda s, b, d, a: _right(s, b, d, a) - 4 if d != torch.float64 else 0, "too few"),
+        (lambda s, b, d, a: _right(s, b, d, a) if len(s) == 3 else 0, "a deeper MLP"),
+        (lambda s, b, d, a: _right(s, b, d, a) if d != torch.bfloat16 else 0, "bfloat16"),
+        (lambda s, b, d, a: float(_right(s, b, d, a)), "a whole number of bytes"),
+        (lambda s, b, d, a: ..., "not written yet"),
     ],
 )
 def test_06b1_wrong_functions_get_their_hint(fn, hint):
     with pytest.raises(ExerciseError, match="06b.1") as err:
         ch06b.retained_bytes(fn)
     assert hint in err.value.hint
-    for sizes, b, dtype in ch06b.CASES:  # no hint gives a measured value (but your own: a float)
-        got = ch06b.alive_after_step(True, b, sizes, dtype)
+    for sizes, b, dtype, act in ch06b.CASES:  # no hint gives a measured value (but your own)
+        got = ch06b.alive_after_step(True, b, sizes, dtype, act)
         if f"you return {float(got)!r}" in err.value.hint:
             continue
         assert str(got) not in err.value.hint and f"{got:,}" not in err.value.hint
 
 
 def test_06b1_cases_are_measured_not_assumed():
-    for sizes, b, dtype in ch06b.CASES:
-        assert ch06b.alive_after_step(True, b, sizes, dtype) == _right(sizes, b, dtype)
+    for sizes, b, dtype, act in ch06b.CASES:
+        assert ch06b.alive_after_step(True, b, sizes, dtype, act) == _right(sizes, b, dtype, act)
     assert ch06b.alive_after_step(False, 256) == 0
+
+
+def test_06b1_relu_mlp_saves_what_article_mlp_saves():
+    for sizes, b, dtype, _ in ch06b.CASES:  # the chapter's model and the exercise's, with ReLU
+        torch.manual_seed(0)
+        model = ArticleMLP(sizes).to(dtype)
+        x, y = torch.randn(b, sizes[0], dtype=dtype), torch.randint(0, sizes[-1], (b,))
+        meter = ActivationMeter(model)
+        with meter.saving():
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward(retain_graph=True)
+        assert meter.live_bytes == ch06b.alive_after_step(True, b, sizes, dtype, nn.ReLU)

@@ -1,5 +1,6 @@
 """Checkers of chapter 06b's exercises (notebooks/06b_article_model_parallel.ipynb): the bytes
-``retain_graph=True`` keeps alive for any MLP, and the world size a process group is told.
+``retain_graph=True`` keeps alive for an MLP with Tanh or GELU, and the world size a process
+group is told.
 
 The rank-side checker (06b.2) runs the learner's file in the workers of
 :mod:`mgtutorial.exercises.ch06_ranks` and reads what the ranks logged or returned.
@@ -13,7 +14,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mgtutorial.common.models import ArticleMLP
 from mgtutorial.exercises import ch06_ranks
 from mgtutorial.exercises._common import (
     ExerciseError,
@@ -27,34 +27,51 @@ from mgtutorial.exercises._common import (
 )
 from mgtutorial.pipeline.activations import ActivationMeter
 
-# --- 06b.1: what retain_graph=True keeps, for any MLP ---------------------------------------------
+# --- 06b.1: what retain_graph=True keeps, for an MLP with another activation ---------------------
 
 CASES = (
-    ((2048, 256, 10), 1, torch.float32),
-    ((2048, 256, 10), 256, torch.float32),
-    ((64, 32, 16, 8), 5, torch.float32),
-    ((64, 32, 16, 8), 3, torch.float64),
-    ((100, 10), 7, torch.bfloat16),
+    ((2048, 256, 10), 1, torch.float32, nn.Tanh),
+    ((2048, 256, 10), 256, torch.float32, nn.Tanh),
+    ((2048, 256, 10), 4, torch.float32, nn.GELU),
+    ((64, 32, 16, 8), 5, torch.float32, nn.GELU),
+    ((64, 32, 16, 8), 3, torch.float64, nn.GELU),
+    ((100, 10), 7, torch.bfloat16, nn.GELU),
 )
-"""06b.1's configurations (sizes, batch size, dtype), checked in this order: not the article's
-MLP, then deeper, then other dtypes."""
+"""06b.1's configurations (sizes, batch size, dtype, activation between sub-networks), checked in
+this order: Tanh instead of the ReLU of section 2.3, a larger batch, GELU, deeper, other dtypes."""
 
 _CASE_HINTS = (
-    "redo section 2.3's breakdown for these widths, tensor by tensor",
+    "redo section 2.3's breakdown for these widths, tensor by tensor: to compute its gradient, "
+    "does Tanh need its input or its output, and is that a tensor already counted?",
     "batch 1 passed: what grows with the batch, and by how much per sample?",
-    "a deeper MLP: what does each further sub-network add (a tensor two layers share counts once)?",
+    "GELU: which tensor does its backward need, its input or its output (PyTorch's "
+    "derivatives.yaml), and is that the tensor the next Linear keeps?",
+    "a deeper MLP: what does each further sub-network add?",
     "another dtype: which tensors take the model's dtype, and which keep their own?",
-    "bfloat16, and an MLP of one sub-network: no ReLU at all",
+    "bfloat16, and an MLP of one sub-network: no activation at all",
 )
+
+
+def mlp(sizes=(2048, 256, 10), activation=nn.ReLU) -> nn.Sequential:
+    """``nn.Linear`` sub-networks ``sizes[0] → sizes[1] → …``, ``activation()`` between them (not
+    after the last); with ``nn.ReLU`` it saves what ``ArticleMLP`` (chapter 06b, 2.3) saves."""
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers += [nn.Linear(a, b)] + ([activation()] if i < len(sizes) - 2 else [])
+    return nn.Sequential(*layers)
 
 
 def alive_after_step(
-    retain_graph: bool, batch_size: int, sizes=(2048, 256, 10), dtype=torch.float32
+    retain_graph: bool,
+    batch_size: int,
+    sizes=(2048, 256, 10),
+    dtype=torch.float32,
+    activation=nn.ReLU,
 ) -> int:
-    """Bytes of saved activations still alive after one step of ``ArticleMLP(sizes)`` in
+    """Bytes of saved activations still alive after one step of ``mlp(sizes, activation)`` in
     ``dtype`` (:class:`~mgtutorial.pipeline.activations.ActivationMeter`)."""
     torch.manual_seed(0)
-    model = ArticleMLP(sizes=sizes).to(dtype)
+    model = mlp(sizes, activation).to(dtype)
     x = torch.randn(batch_size, sizes[0], dtype=dtype)
     y = torch.randint(0, sizes[-1], (batch_size,))
     meter = ActivationMeter(model)
@@ -65,13 +82,17 @@ def alive_after_step(
 
 
 def retained_bytes(fn) -> None:
-    """06b.1: ``fn(sizes, batch_size, dtype)`` returns the bytes (int) of saved activations alive
-    after one step with ``retain_graph=True`` of ``ArticleMLP(sizes)`` in ``dtype`` (input in
-    ``dtype``, int64 targets, cross-entropy loss); the checker measures each of :data:`CASES`."""
+    """06b.1: ``fn(sizes, batch_size, dtype, activation)`` returns the bytes (int) of saved
+    activations alive after one step with ``retain_graph=True`` of ``mlp(sizes, activation)`` in
+    ``dtype`` (input in ``dtype``, int64 targets, cross-entropy loss; ``activation`` is
+    ``nn.Tanh`` or ``nn.GELU``); the checker measures each of :data:`CASES`."""
     ex = "06b.1 retained bytes"
-    for (sizes, b, dtype), advice in zip(CASES, _CASE_HINTS):
-        guess = answered(attempt(ex, fn, sizes, b, dtype), ex, "the return value")
-        what = f"ArticleMLP(sizes={sizes}) in {str(dtype).removeprefix('torch.')} at batch {b}"
+    for (sizes, b, dtype, act), advice in zip(CASES, _CASE_HINTS):
+        guess = answered(attempt(ex, fn, sizes, b, dtype, act), ex, "the return value")
+        what = (
+            f"sizes={sizes} with {act.__name__} in {str(dtype).removeprefix('torch.')} "
+            f"at batch {b}"
+        )
         whole = isinstance(guess, float) and guess.is_integer()
         require(
             isinstance(guess, int) and not isinstance(guess, bool),
@@ -79,7 +100,7 @@ def retained_bytes(fn) -> None:
             f"for {what} you return {guess!r} ({type(guess).__name__}): return a whole number of "
             f"bytes (an int{f', e.g. int({guess!r})' if whole else ''})",
         )
-        got = alive_after_step(True, b, sizes, dtype)
+        got = alive_after_step(True, b, sizes, dtype, act)
         require(
             guess == got,
             ex,
@@ -89,8 +110,9 @@ def retained_bytes(fn) -> None:
     require(alive_after_step(False, 256) == 0, ex, "a plain backward() left activations alive")
     passed(
         ex,
-        f"your function gives the bytes retain_graph=True keeps alive for {len(CASES)} MLPs, "
-        "batch sizes and dtypes, as measured (and a plain backward() keeps 0)",
+        f"your function gives the bytes retain_graph=True keeps alive for {len(CASES)} MLPs "
+        "(Tanh and GELU, batch sizes, depths, dtypes), as measured (and a plain backward() "
+        "keeps 0)",
     )
 
 

@@ -17,6 +17,7 @@ from mgtutorial.exercises import ch06_ranks
 from mgtutorial.exercises._common import (
     ExerciseError,
     RankFailed,
+    answered,
     attempt,
     close,
     function_from,
@@ -33,25 +34,62 @@ def _a(value) -> str:
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
-SIZES = ((3, 32, 32), (3, 64, 64), (1, 28, 28))
-"""06a.1's images: the sample's 32×32 colour images, larger ones, and the 28×28 its 4608 fits."""
+SIZES = ((3, 32, 32), (3, 64, 45), (1, 28, 28), (3, 31, 31))
+"""06a.1's images (C, H, W): the sample's 32×32 colour images, a non-square one, the 28×28 its
+4608 was written for, and an odd size, where the convolution's and the pool's rounding show."""
 BATCHES = (1, 4, 36)
-"""06a.1's batch sizes: 4 fails the sample's view on 32×32 images, 36 passes it silently wrong."""
+"""06a.1's batch sizes."""
+CONV = {"out_channels": 32, "kernel_size": (5, 5), "stride": (2, 2), "padding": (1, 1)}
+"""06a.1's convolution: the sample's 5×5 to 32 channels, here with stride 2 and padding 1."""
+
+
+def _features(image_shape) -> int:
+    """The features per image after 06a.1's convolution, ReLU and 2×2 max-pool, measured by
+    running them on one image of ``image_shape``."""
+    conv = torch.nn.Conv2d(image_shape[0], CONV["out_channels"], 5, stride=2, padding=1)
+    with torch.no_grad():
+        return torch.nn.functional.max_pool2d(conv(torch.zeros(1, *image_shape)), 2)[0].numel()
 
 
 def flatten_fix(path: str = "ex06a_net.py") -> None:
-    """06a.1: ``Net(image_shape)`` in the file ``path`` is the sample's CNN (a 5×5 convolution to
-    32 channels, ReLU, 2×2 max-pool, a hidden layer of 64, 10 outputs) for images of
-    ``image_shape`` (C, H, W), with flaw 1.1 reviewed away: built, it has no uninitialized
-    parameter (DDP, the sample's next line, refuses those: ``nn.LazyLinear`` before a forward);
-    for every image shape of :data:`SIZES` and batch size of :data:`BATCHES` it maps B images to
-    B × 10 logits, and each row depends on its own image only (changing image 0 changes row 0
-    only). The checker builds one ``Net`` per image shape and runs it on random images."""
+    """06a.1: in the file ``path``, ``flatten_size(image_shape)`` returns the features per image
+    after a 5×5 convolution to 32 channels with stride 2 and padding 1, ReLU and a 2×2 max-pool
+    (an int, for images of shape (C, H, W)), and ``Net(image_shape)`` is the sample's CNN with that
+    convolution (a hidden layer of 64, 10 outputs) with flaw 1.1 reviewed away: built, it has no
+    uninitialized parameter (DDP, the sample's next line, refuses those: ``nn.LazyLinear`` before
+    a forward); for every image shape of :data:`SIZES` and batch size of :data:`BATCHES` it maps
+    B images to B × 10 logits, and each row depends on its own image only (changing image 0
+    changes row 0 only). The checker compares ``flatten_size`` with the size measured by running
+    the layers, then builds one ``Net`` per image shape and runs it on random images."""
     ex = "06a.1 the flatten, reviewed"
+    size_of = function_from(path, "flatten_size", ex)
     make = function_from(path, "Net", ex)
+    for size in SIZES:
+        guess = answered(attempt(ex, size_of, size), ex, "flatten_size")
+        got = _features(size)
+        if not (isinstance(guess, int) and not isinstance(guess, bool)):
+            raise ExerciseError(
+                ex, f"flatten_size({size}) returns {_a(guess)}: return the features as an int"
+            )
+        require(
+            guess == got,
+            ex,
+            f"flatten_size({size}) returns {guess:,}, {'more' if guess > got else 'fewer'} "
+            "features than the layers give: apply the output-size rule of nn.Conv2d's "
+            "documentation (padding on both sides, the stride dividing, rounded down) to height "
+            "and width separately, then the pool's, and count the channels",
+        )
     for size in SIZES:
         torch.manual_seed(0)
         net = attempt(ex, make, size)
+        conv = getattr(net, "conv", None)
+        require(
+            isinstance(conv, torch.nn.Conv2d)
+            and all(getattr(conv, k) == v for k, v in CONV.items()),
+            ex,
+            "Net.conv is no longer the exercise's convolution (5×5 to 32 channels, stride 2, "
+            "padding 1): keep it, and change the two marked lines",
+        )
         require(
             not any(torch.nn.parameter.is_lazy(q) for q in net.parameters()),
             ex,
@@ -90,7 +128,8 @@ def flatten_fix(path: str = "ex06a_net.py") -> None:
         )
     passed(
         ex,
-        f"Net gives one row of 10 logits per image for {len(SIZES)} image shapes and batches of "
+        f"flatten_size matches the features measured for {len(SIZES)} image shapes, and Net "
+        f"gives one row of 10 logits per image for each and batches of "
         f"{', '.join(map(str, BATCHES))}, each row from its own image, with no parameter DDP "
         "would refuse",
     )

@@ -1,6 +1,7 @@
 """Exercise 06b.1 (the bytes retain_graph=True keeps, for an MLP with Tanh or GELU): the solution
 passes, the starter and each classic wrong answer get their own hint, and no hint prints the
-answer."""
+answer. Exercise 06b.2 (the world a group is told, on two nodes): the solution passes, each wrong
+value of the four fails with its hint, and no hint names the function or rule that answers it."""
 
 from __future__ import annotations
 
@@ -73,3 +74,51 @@ def test_06b1_relu_mlp_saves_what_article_mlp_saves():
             loss = nn.functional.cross_entropy(model(x), y)
         loss.backward(retain_graph=True)
         assert meter.live_bytes == ch06b.alive_after_step(True, b, sizes, dtype, nn.ReLU)
+
+
+JOIN = """
+from mgtutorial.runtime import env
+
+
+def join(part):
+    num_gpus, subnets = 4, 3
+    world_size = {world}
+    rank = {rank}
+    stage = {stage}
+    same_stage = {same}
+    return {{"world_size": world_size, "rank": rank, "stage": stage, "same_stage": same_stage}}
+"""
+RIGHT_JOIN = {
+    "world": "env.world_size()",
+    "rank": "env.rank()",
+    "stage": "rank % subnets",
+    "same": "[r for r in range(world_size) if r % subnets == stage]",
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "change, hint",
+    [
+        ({}, None),
+        ({"world": "num_gpus * subnets"}, "how many processes were started"),
+        ({"rank": "part"}, "the sub-network index repeats on every node"),
+        ({"stage": "rank"}, "which stage does each of node 1's"),
+        ({"same": "[rank]"}, "which processes hold a copy"),
+        ({"same": "[r for r in range(world_size) if r % subnets == stage and r != rank]"},
+         "which processes hold a copy"),
+    ],
+    ids=["right", "world-gpus-times-subnets", "rank-part", "stage-rank", "same-self", "same-others"],
+)
+def test_06b2(change, hint, tmp_path, capsys, no_leftovers):
+    path = tmp_path / "ex06b_world.py"
+    path.write_text(JOIN.format(**(RIGHT_JOIN | change)))
+    if hint is None:
+        ch06b.world_size(str(path))
+        assert capsys.readouterr().out.startswith("✓ 06b.2 world size: 6 processes")
+        return
+    with pytest.raises(ExerciseError, match="06b.2") as err:
+        ch06b.world_size(str(path))
+    assert hint in err.value.hint
+    for leak in ("env.rank", "env.world_size", "RANK", "WORLD_SIZE", "% subnets"):
+        assert leak not in err.value.hint  # hints guide; they do not name the answer

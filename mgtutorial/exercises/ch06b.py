@@ -153,8 +153,8 @@ def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -
                 ex,
                 f"the {nprocs} processes ({nodes} nodes × {subnets} sub-networks) told the group "
                 f"a world of {', '.join(map(str, worlds))} and waited for ranks that never came: "
-                "the world is the processes actually started, not num_gpus × subnets (the "
-                "article's flaw 2.2); read WORLD_SIZE (env.world_size())",
+                "how many processes were started, on all nodes together, and what does the "
+                "launcher tell each process about them (chapter 05a)?",
             )
             require(
                 sorted(r for *_, r in claims) != list(range(nprocs)),
@@ -165,14 +165,15 @@ def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -
             )
             shown = ", ".join(f"node {n} part {p} → {r}" for n, p, _, r in claims)
             why = (
-                ": rank = part, the sub-network index, repeats node 0's ranks on node 1"
+                ": the sub-network index repeats on every node"
                 if all(p == r for _, p, _, r in claims)
                 else ""
             )
             raise ExerciseError(
                 ex,
                 f"the processes claimed ranks {shown}, and the group failed ({failed.exc_type}): "
-                f"ranks must be 0 … {nprocs - 1}, once each{why}; read RANK (env.rank())",
+                f"a group needs ranks 0 … {nprocs - 1}, once each{why}; which number, unique "
+                "across nodes, does the launcher give each process (chapter 05a)?",
             ) from None
     for rank, v in sorted(values.items()):
         node, part = divmod(rank, subnets)
@@ -180,23 +181,23 @@ def world_size(path: str = "ex06b_world.py", nodes: int = 2, subnets: int = 3) -
             v["rank"] == rank,
             ex,
             f"the process started as rank {rank} (node {node}, part {part}) claimed "
-            f"rank {v['rank']}: read RANK (env.rank()) rather than computing it",
+            f"rank {v['rank']}: does your computation know how the launcher numbered the "
+            "processes, or can it ask (chapter 05a)?",
         )
         require(
             v["stage"] == rank % subnets,
             ex,
-            f"rank {rank} (node {node}) runs stage {v['stage']}, but there are only {subnets} "
-            "sub-networks: node 1 runs the same three as node 0; which stage does its first rank "
-            "run? The stage is a separate number from the rank",
+            f"rank {rank} (node {node}) runs stage {v['stage']}, and there are {subnets} "
+            "sub-networks, each run once on every node: which stage does each of node 1's "
+            "ranks run, and how does that follow from its rank?",
         )
         peers = [r for r in range(nprocs) if r % subnets == rank % subnets]
         require(
             sorted(v.get("same_stage") or []) == peers,
             ex,
-            f"rank {rank} returned same_stage={v.get('same_stage')!r}: the two nodes run the same "
-            "stages, so they are two pipelines of one model, and each stage's gradients must be "
-            "averaged over every rank that runs that stage (all of them, itself included), or the "
-            "replicas drift apart as in 2.1",
+            f"rank {rank} returned same_stage={v.get('same_stage')!r}: which processes hold a "
+            "copy of the parameters this rank trains, and must agree with it on their gradients "
+            "at every step so that the copies do not drift apart as in 2.1?",
         )
     stages = ", ".join(str(v["stage"]) for _, v in sorted(values.items()))
     passed(

@@ -108,7 +108,7 @@ RIGHT_JOIN = {
         ({"same": "[r for r in range(world_size) if r % subnets == stage and r != rank]"},
          "which processes hold a copy"),
     ],
-    ids=["right", "world-gpus-times-subnets", "rank-part", "stage-rank", "same-self", "same-others"],
+    ids=["right", "world-gpus-x-subnets", "rank-part", "stage-rank", "same-self", "same-others"],
 )
 def test_06b2(change, hint, tmp_path, capsys, no_leftovers):
     path = tmp_path / "ex06b_world.py"

@@ -262,10 +262,11 @@ CHOOSE_CASES = (  # (p, F, B, o, batch): one stage's whole-batch forward, backwa
 def choose_m(best_m) -> None:
     """04b.2: ``best_m(p, F, B, o, batch)`` returns ``(m_real, m, span)``: the best real number
     of micro-batches (where the span's derivative in m is zero; ``math.inf`` when o = 0), the
-    micro-batch count m (a divisor of ``batch``, as the library needs) whose step is shortest, and
-    that step's span in seconds, for a stage whose whole-batch forward and backward take F and B
-    seconds (so F/m and B/m per box) and a delay of o seconds before each box on the critical path
-    but the first (the decomposition of 04z: :func:`~mgtutorial.pipeline.bubble.step_span`).
+    micro-batch count m (a divisor of ``batch``: the course refuses unequal micro-batches) whose
+    step is shortest, and that step's span in seconds, for a stage whose whole-batch forward and
+    backward take F and B seconds (so F/m and B/m per box) and a delay of o seconds before each
+    box on the critical path but the first (the decomposition of 04z:
+    :func:`~mgtutorial.pipeline.bubble.step_span`).
     Verified: m_real against the closed form, the span against m's own, and m against every
     divisor."""
     ex = "04b.2 choosing m"

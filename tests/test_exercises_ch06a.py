@@ -89,8 +89,10 @@ GOOD = {
         ({}, None),
         ({"size": "return ..."}, "not written yet"),
         # section 1.1's rule, stride 1 and no padding: not this convolution's
-        ({"size": "_, h, w = image_shape\n    return 32 * ((h - 4) // 2) * ((w - 4) // 2)"},
-         "output-size rule"),
+        (
+            {"size": "_, h, w = image_shape\n    return 32 * ((h - 4) // 2) * ((w - 4) // 2)"},
+            "output-size rule",
+        ),
         # padding counted on one side only
         ({"size": RIGHT_SIZE.replace("n + 2 - 5", "n + 1 - 5")}, "output-size rule"),
         ({"size": RIGHT_SIZE.replace("return 32", "return 1.0 * 32")}, "as an int"),
@@ -99,8 +101,17 @@ GOOD = {
         ({"hidden": "nn.LazyLinear(64)"}, "uninitialized parameters"),
         ({"stride": 1, "hidden": "nn.Linear(flatten_size(image_shape), 64)"}, "convolution"),
     ],
-    ids=["right", "starter-size", "stride-1-rule", "one-sided-padding", "float", "starter-net",
-         "fixed-reshape", "lazy", "conv-changed"],
+    ids=[
+        "right",
+        "starter-size",
+        "stride-1-rule",
+        "one-sided-padding",
+        "float",
+        "starter-net",
+        "fixed-reshape",
+        "lazy",
+        "conv-changed",
+    ],
 )
 def test_06a1(change, hint, tmp_path, capsys):
     path = tmp_path / "ex06a_net.py"

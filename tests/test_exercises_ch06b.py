@@ -38,8 +38,10 @@ def test_06b1_solution_passes(capsys):
         (_relu_rule, "GELU: which tensor"),  # the ReLU rule applied to GELU
         # GELU's saved input counted, but the Linear's output counted a second time
         (lambda s, b, d, a: _right(s, b, d, a) + b * sum(s[1:-1]) * 4, "too many"),
-        (lambda s, b, d, a: _right(s, b, d, a) * 4 // torch.empty((), dtype=d).element_size(),
-         "another dtype"),  # float32 always
+        (
+            lambda s, b, d, a: _right(s, b, d, a) * 4 // torch.empty((), dtype=d).element_size(),
+            "another dtype",
+        ),  # float32 always
         (lambda s, b, d, a: _right(s, b, d, a) - 4 if d != torch.float64 else 0, "too few"),
         (lambda s, b, d, a: _right(s, b, d, a) if len(s) == 3 else 0, "a deeper MLP"),
         (lambda s, b, d, a: _right(s, b, d, a) if d != torch.bfloat16 else 0, "bfloat16"),
@@ -105,8 +107,10 @@ RIGHT_JOIN = {
         ({"rank": "part"}, "the sub-network index repeats on every node"),
         ({"stage": "rank"}, "which stage does each of node 1's"),
         ({"same": "[rank]"}, "which processes hold a copy"),
-        ({"same": "[r for r in range(world_size) if r % subnets == stage and r != rank]"},
-         "which processes hold a copy"),
+        (
+            {"same": "[r for r in range(world_size) if r % subnets == stage and r != rank]"},
+            "which processes hold a copy",
+        ),
     ],
     ids=["right", "world-gpus-x-subnets", "rank-part", "stage-rank", "same-self", "same-others"],
 )

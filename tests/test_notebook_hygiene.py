@@ -301,7 +301,6 @@ def check_writefile_fresh(nb) -> list[str]:
     ]
 
 
-
 CHECKS = [
     check_kernel,
     check_executed,

@@ -123,7 +123,9 @@ def own_rank(path: str = "ex02_rank.py") -> None:
             "at the start of every epoch?",
         ),
     ):
-        require(max_abs_diff(got[0], ch02_ranks.one_process(cfg, **ref)) >= tol, ex, why)
+        # a diagnosis, not a pass: float32 sums in another order drift apart over 2 epochs of
+        # momentum SGD, so a wrong answer is recognised within a looser bound than the pass
+        require(max_abs_diff(got[0], ch02_ranks.one_process(cfg, **ref)) >= 100 * tol, ex, why)
     raise ExerciseError(
         ex,
         "the ranks agree, but not with one process on the combined batches: does each rank train "

@@ -6,8 +6,6 @@ stages, and the choice of m for a given stage cost and delay between boxes."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -21,6 +19,7 @@ from mgtutorial.exercises._common import (
     passed,
     require,
 )
+from mgtutorial.exercises.ch04_choose import choose_m  # noqa: F401  (04b.2)
 from mgtutorial.exercises.ch04_order import one_f_one_b  # noqa: F401  (04b.3)
 from mgtutorial.exercises.splits import check_split
 from mgtutorial.pipeline.bubble import (
@@ -29,7 +28,6 @@ from mgtutorial.pipeline.bubble import (
     bubble_measured,
     ideal_events,
     lay_out,
-    step_span,
 )
 
 BUBBLE_CASES = ((4, 8), (8, 16))
@@ -247,83 +245,4 @@ def loss_weighting(accumulate) -> None:
         ex,
         f"{len(WEIGHTING_CASES)} padded batches (one with a micro-batch of padding only) give "
         "the full batch's gradient",
-    )
-
-
-CHOOSE_CASES = (  # (p, F, B, o, batch): one stage's whole-batch forward, backward; delay per box
-    (2, 0.240, 0.480, 0.0, 64),
-    (2, 0.240, 0.480, 0.002, 64),
-    (4, 0.100, 0.200, 0.005, 48),
-    (2, 0.020, 0.040, 0.003, 512),
-    (2, 0.0832, 0.1664, 0.002, 60),  # the best real m, 7.9, is nearer 6 but 10 is better
-)
-
-
-def choose_m(best_m) -> None:
-    """04b.2: ``best_m(p, F, B, o, batch)`` returns ``(m_real, m, span)``: the best real number
-    of micro-batches (where the span's derivative in m is zero; ``math.inf`` when o = 0), the
-    micro-batch count m (a divisor of ``batch``: the course refuses unequal micro-batches) whose
-    step is shortest, and that step's span in seconds, for a stage whose whole-batch forward and
-    backward take F and B seconds (so F/m and B/m per box) and a delay of o seconds before each
-    box on the critical path but the first (the decomposition of 04z:
-    :func:`~mgtutorial.pipeline.bubble.step_span`).
-    Verified: m_real against the closed form, the span against m's own, and m against every
-    divisor."""
-    ex = "04b.2 choosing m"
-    for p, f, b, o, batch in CHOOSE_CASES:
-        call = f"best_m(p={p}, F={f}, B={b}, o={o}, batch={batch})"
-        out = attempt(ex, best_m, p, f, b, o, batch)
-        require(
-            isinstance(out, tuple) and len(out) == 3,
-            ex,
-            f"{call} returned {out!r}: return (best real m, m, span in seconds)",
-        )
-        m_real, m, predicted = out
-        exact = math.sqrt((p - 1) * (f + b) / (2 * o)) if o else math.inf
-        require(
-            m_real == exact if o == 0 else close(m_real, exact, rel=1e-6),
-            ex,
-            f"{call}: {m_real!r} is not the best real m: "
-            + (
-                "with o = 0 the span only shrinks as m grows (give math.inf)"
-                if o == 0
-                else "write the span as a function of m, set its derivative to zero and solve "
-                "for m (a closed form, not a search)"
-            ),
-        )
-        require(
-            isinstance(m, int) and m >= 1 and batch % m == 0,
-            ex,
-            f"{call} returned m = {m!r}: give a divisor of the batch (an int)",
-        )
-        span = {d: step_span(p, d, f / d, b / d, o) for d in range(1, batch + 1) if batch % d == 0}
-        require(
-            close(predicted, span[m], rel=1e-6),
-            ex,
-            f"{call}: the span you give for m={m}, {predicted!r}, is not that step's: count the "
-            "slots of the critical path and what each costs, delays included",
-        )
-        best = min(span.values())
-        if span[m] <= best * (1 + 1e-9):
-            continue
-        below = max(d for d in span if d <= exact) if o else batch
-        above = min((d for d in span if d > below), default=below)
-        why = (
-            "with o = 0 the step only shrinks as m grows"
-            if o == 0
-            else "of the two divisors around the best real m, yours has the longer step: compare "
-            "their spans, not their distances to it"
-            if m in (below, above)
-            else "the delays grow with m while the fill and drain shrink: look next to the best "
-            "real m"
-        )
-        raise ExerciseError(
-            ex,
-            f"for p={p}, F={f} s, B={b} s, o={o} s, batch {batch}, another divisor of the batch "
-            f"gives a shorter step than m={m}: {why}",
-        )
-    passed(
-        ex,
-        f"{len(CHOOSE_CASES)} cases: the best real m is the closed form's, each m gives the "
-        "shortest step of all the divisors, and its span is that step's",
     )

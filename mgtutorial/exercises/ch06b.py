@@ -90,8 +90,7 @@ def retained_bytes(fn) -> None:
     for (sizes, b, dtype, act), advice in zip(CASES, _CASE_HINTS):
         guess = answered(attempt(ex, fn, sizes, b, dtype, act), ex, "the return value")
         what = (
-            f"sizes={sizes} with {act.__name__} in {str(dtype).removeprefix('torch.')} "
-            f"at batch {b}"
+            f"sizes={sizes} with {act.__name__} in {str(dtype).removeprefix('torch.')} at batch {b}"
         )
         whole = isinstance(guess, float) and guess.is_integer()
         require(

@@ -23,100 +23,20 @@ import torch
 import torch.distributed as dist
 
 from mgtutorial import ddp
-from mgtutorial.common.config import Config
-from mgtutorial.perf import costmodel
-from mgtutorial.perf.timing import sync, time_op
+from mgtutorial.perf.collective_sweep import (  # noqa: F401  (09a, section 2)
+    KIB,
+    MIB,
+    SweepConfig,
+    collective_call,
+    sweep_worker,
+)
+from mgtutorial.perf.ddp_own import OwnConfig, ddp_own_worker  # noqa: F401  (09b, section 1)
+from mgtutorial.perf.timing import sync
 from mgtutorial.runtime import env, runlog
 
-KIB, MIB = 1024, 1024 * 1024
 Mode = Literal["ddp", "independent", "lockstep", "alone"]
 """How a variant of :func:`step_worker` trains (see :attr:`StepConfig.variants`)."""
 MODES = get_args(Mode)
-
-
-def collective_call(op: costmodel.Collective, nbytes: int, world_size: int, device: torch.device):
-    """A zero-argument function running ``op`` on float32 tensors of nccl-tests' size ``nbytes``.
-
-    all_reduce/broadcast: a buffer of ``nbytes``; all_gather: each rank sends ``nbytes / n`` and
-    receives ``nbytes``; reduce_scatter: each rank sends ``nbytes`` and keeps ``nbytes / n``.
-    """
-    numel = max(world_size, nbytes // 4 // world_size * world_size)
-    full = torch.ones(numel, device=device)
-    part = torch.ones(numel // world_size, device=device)
-    calls = {
-        "all_reduce": lambda: dist.all_reduce(full),
-        "broadcast": lambda: dist.broadcast(full, src=0),
-        "all_gather": lambda: dist.all_gather_single(full, part),
-        "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
-    }
-    return calls[op]
-
-
-@dataclass(kw_only=True)
-class SweepConfig(Config):
-    """Configuration of :func:`sweep_worker`."""
-
-    ops: list[costmodel.Collective] = field(
-        default_factory=lambda: ["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
-    )
-    """Collectives to time (see :data:`mgtutorial.perf.costmodel.Collective`)."""
-    sizes: list[int] = field(default_factory=lambda: [4 * KIB * 4**i for i in range(7)])
-    """Tensor sizes in bytes (nccl-tests' size; default 4 KiB … 16 MiB)."""
-    warmup: int = 2
-    """Untimed calls per (op, size)."""
-    repeats: int = 5
-    """Timed calls per (op, size); the median is kept."""
-    backend: env.BackendChoice = "auto"
-    """"auto" | "gloo" | "nccl"."""
-    timeout_s: float = 120.0
-    """Collective timeout in seconds."""
-
-    def validate(self, nprocs: int) -> None:
-        """Raises ValueError for an unknown op, a size < 4 bytes or fewer than 1 repeat."""
-        super().validate(nprocs)  # ops and backend: among their choices
-        if min(self.sizes) < 4 or self.repeats < 1 or self.warmup < 0:
-            raise ValueError(
-                f"sizes ≥ 4 bytes, repeats ≥ 1, warmup ≥ 0 (got {min(self.sizes)}, "
-                f"{self.repeats}, {self.warmup})."
-            )
-
-
-def sweep_worker(cfg: SweepConfig) -> list[dict]:
-    """Time every (op, size) on every rank; the collective's time is the *slowest* rank's.
-
-    Logs and returns ``kind="collective_time"`` records: ``op``, ``nbytes``, ``world_size``,
-    ``time_s`` (median over repeats of the max over ranks), ``time_min_s`` (the fastest repeat:
-    the one a busy machine disturbed least), ``times`` (s), ``cpu_min_s`` (the smallest CPU time
-    of this rank's timed calls, all its threads, not necessarily the fastest call's: what the
-    collective costs a core at least, waiting excluded).
-    """
-    with env.distributed(cfg.backend, cfg.timeout_s) as ctx, runlog.RunLog() as log:
-        out = []
-        for op in cfg.ops:
-            for nbytes in cfg.sizes:
-                call, cpu = collective_call(op, nbytes, ctx.world_size, ctx.device), []
-
-                def fn(call=call, cpu=cpu):  # the process's CPU time too (gloo's threads)
-                    c0 = time.process_time()
-                    call()
-                    cpu.append(time.process_time() - c0)
-
-                seconds = time_op(fn, ctx.device, cfg.warmup, cfg.repeats, barrier=True)
-                t = torch.tensor(seconds, device=ctx.device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # done when the last rank is done
-                times = t.tolist()
-                record = log.write(
-                    kind="collective_time",
-                    op=op,
-                    nbytes=nbytes,
-                    world_size=ctx.world_size,
-                    time_s=statistics.median(times),
-                    time_min_s=min(times),
-                    times=times,
-                    cpu_min_s=min(cpu[cfg.warmup :]),
-                )
-                out.append(record)
-        return out
 
 
 class TimedTrainer(ddp.Trainer):
@@ -303,84 +223,3 @@ def step_worker(cfg: StepConfig) -> list[dict]:
             if mode == "alone" and ctx.initialized:
                 dist.barrier()  # rank 0 has finished training alone: the others go on
         return out
-
-
-@dataclass(kw_only=True)
-class OwnConfig(Config):
-    """Configuration of :func:`ddp_own_worker`."""
-
-    batch_size: int = 1
-    """Images per step (chapter 01's CNN, 3×32×32); DDP's own work depends on the gradients'
-    bytes, not on the batch, so a small batch keeps the steps, and the noise on them, short."""
-    repeats: int = 300
-    """Timed pairs of steps (plain and DDP, either first in turn), after 3 untimed ones; the
-    median difference is kept."""
-
-    def validate(self, nprocs: int | None = None) -> None:
-        """Raises ValueError for a batch size < 1, fewer than 1 repeat, or more than 1 rank."""
-        super().validate(nprocs)
-        if self.batch_size < 1 or self.repeats < 1:
-            raise ValueError(
-                f"batch_size={self.batch_size}, repeats={self.repeats}: need both ≥ 1."
-            )
-        if nprocs not in (None, 1):
-            raise ValueError(f"nprocs={nprocs}: ddp_own_worker measures on a world of one; use 1.")
-
-
-def ddp_own_worker(cfg: OwnConfig) -> dict:
-    """DDP's own work per step on the training thread: the same model and batch, plain and
-    wrapped in DDP on a world of one (gloo), stepped in turn (either first); there is no other
-    rank to wait for, so what DDP adds is its autograd hooks and the copies of the gradients into
-    the flat buckets and back. Each pair of steps runs under the same load, so the median of the
-    pairs' differences is kept.
-
-    Returns a dict: ``batch_size``; ``plain_s`` (the plain step's median, the training thread's
-    CPU time, s); ``own_raw_s`` (median difference DDP − plain of that CPU time over forward +
-    backward + optimizer step) and ``own_s`` (the same, at least 0: a negative median is noise),
-    the input of :func:`costmodel.ddp_added_time` for CPU time; ``own_wall_s`` (the median
-    difference of the same steps' wall time, ``perf_counter``, at least 0), its input for wall
-    time;
-    ``fwd_s``, ``bwd_s``, ``opt_s`` (the CPU difference per phase).
-    Taught in notebooks/09b_measurement.ipynb (section 1);
-    https://pytorch.org/docs/stable/notes/ddp.html.
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    from mgtutorial.common import models
-
-    with env.distributed("gloo", num_threads=1):
-        torch.manual_seed(0)
-        plain = models.ArticleCNN(in_shape=(3, 32, 32))
-        wrapped = DistributedDataParallel(models.ArticleCNN(in_shape=(3, 32, 32)))
-        pair = [(m, torch.optim.SGD(m.parameters(), lr=0.01)) for m in (plain, wrapped)]
-        x, y = torch.randn(cfg.batch_size, 3, 32, 32), torch.randint(0, 10, (cfg.batch_size,))
-        diffs, plains, walls = [], [], []
-        for i in range(3 + cfg.repeats):
-            phases, wall = [], []
-            for model, opt in pair if i % 2 else pair[::-1]:  # either first, in turn
-                t0 = time.perf_counter()
-                c0 = time.thread_time()
-                opt.zero_grad(set_to_none=True)
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-                c1 = time.thread_time()
-                loss.backward()
-                c2 = time.thread_time()
-                opt.step()
-                phases.append((c1 - c0, c2 - c1, time.thread_time() - c2))
-                wall.append(time.perf_counter() - t0)
-            plain_p, ddp_p = phases if i % 2 else phases[::-1]
-            plain_w, ddp_w = wall if i % 2 else wall[::-1]
-            if i >= 3:
-                diffs.append([d - p for p, d in zip(plain_p, ddp_p)])
-                plains.append(sum(plain_p))
-                walls.append(ddp_w - plain_w)
-        med = [statistics.median(d[k] for d in diffs) for k in range(3)]
-        raw = statistics.median(sum(d) for d in diffs)
-        return {
-            "batch_size": cfg.batch_size,
-            "plain_s": statistics.median(plains),
-            "own_s": max(0.0, raw),
-            "own_raw_s": raw,
-            "own_wall_s": max(0.0, statistics.median(walls)),
-            **dict(zip(("fwd_s", "bwd_s", "opt_s"), med)),
-        }

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from mgtutorial.perf.hardware import H100, Hardware  # noqa: E402, F401  (the links of a cluster)
+from mgtutorial.perf.hardware import H100, Hardware  # noqa: F401  (the links of a cluster)
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 """The collectives the chapter times and models (nccl-tests' names)."""

@@ -141,10 +141,11 @@ for name in sys.argv[1:]:
 """
 
 
-def import_errors(names: list[str], timeout_s: float = 25.0) -> dict[str, str]:
+def import_errors(names: list[str], timeout_s: float = 120.0) -> dict[str, str]:
     """``{name: why}`` for each module of ``names`` that does not import, tried one after another
     in a fresh interpreter (``sys.executable``): a raised exception, or the interpreter crashing or
-    hanging (over ``timeout_s`` seconds for all)."""
+    hanging (over ``timeout_s`` seconds for all: a first import of torch from a cold disk, or on a
+    busy machine, takes tens of seconds, so only an import that hangs reaches it)."""
     if not names:
         return {}
     try:

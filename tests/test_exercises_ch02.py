@@ -180,8 +180,12 @@ STARTER_AUGMENT = "return x + 0.1 * torch.randn_like(x)"  # each rank's own rand
             RIGHT_AUGMENT.replace("10**6 * epoch + ", ""),
             "epoch 1 adds the same noise to these samples as epoch 0",
         ),
+        (  # sample i's noise in epoch 1 is sample i + 1's in epoch 0
+            RIGHT_AUGMENT.replace("10**6 * epoch + int(i)", "epoch + int(i)"),
+            "two (epoch, index) pairs lead to the same draw",
+        ),
     ],
-    ids=["no-noise", "too-much", "wrong-shape", "same-every-epoch"],
+    ids=["no-noise", "too-much", "wrong-shape", "same-every-epoch", "epoch-shifts-index"],
 )
 def test_02_2_a_wrong_noise_fails_before_any_run(body, hint, tmp_path):
     path = tmp_path / "ex02_augment.py"
@@ -197,10 +201,10 @@ def test_02_2_a_wrong_noise_fails_before_any_run(body, hint, tmp_path):
     "body, hint",
     [
         (RIGHT_AUGMENT, None),
-        (STARTER_AUGMENT, "the noise a sample gets differs between them"),
+        (STARTER_AUGMENT, "both ranks added the same noise to different samples"),
         (  # right in one process, where RANK is unset; rank 1 draws other noise
             RIGHT_AUGMENT.replace("int(i)", f"int(i) + 7 * int({RANK_VAR})"),
-            "the noise a sample gets differs between them",
+            "the ranks added different noise, which is right for training",
         ),
     ],
     ids=["right", "starter", "rank-dependent"],

@@ -95,8 +95,8 @@ class ArticleMLP(nn.Module):
     1024 → 100, of rank at most 256), so the course adds a ReLU between sub-networks (not after
     the last: its outputs are the logits) to make it an MLP (``relu=True``, the default).
     Splitting, pipelining and the activations saved for backward are the same either way (each
-    ReLU's output is the next Linear's input, one tensor). Chapter 06b, section 2.1, shows the
-    collapse.
+    ReLU's output is the next Linear's input, one tensor). Chapter 06b ("The model", before
+    section 2.1) shows the collapse.
 
     Shapes: input ``(B, sizes[0])``; output ``(B, sizes[-1])``. :meth:`split` cuts it into
     pipeline stages.

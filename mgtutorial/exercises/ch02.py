@@ -14,6 +14,7 @@ from mgtutorial.common import data
 from mgtutorial.common.compare import float32_tolerance, max_abs_diff
 from mgtutorial.exercises import ch02_ranks
 from mgtutorial.exercises._common import (
+    ExerciseError,
     answered,
     attempt,
     close,
@@ -63,6 +64,13 @@ def augmentation(path: str = "ex02_augment.py") -> None:
         ex,
         "epoch 1 adds the same noise to these samples as epoch 0: a new draw every epoch",
     )
+    before, after = (out - x).flatten(1), (again - x).flatten(1)
+    require(
+        not any(torch.allclose(a, b, rtol=0, atol=1e-5) for a in after for b in before),
+        ex,
+        "in epoch 1 a sample gets the very noise another sample got in epoch 0: two (epoch, "
+        "index) pairs lead to the same draw",
+    )
     cfg = ch02_ranks.AugmentExerciseConfig(path=str(Path(path).resolve()))
     run_dir = run_ranks(
         ex, ch02_ranks.augment_worker, cfg, 2, timeout_s=120, name="ex02_augment"
@@ -72,15 +80,22 @@ def augmentation(path: str = "ex02_augment.py") -> None:
     # about 1e-5 with the right noise, 3e-2 with each rank's own stream): 100 × section 4's bound
     tol = 100 * float32_tolerance("cuda" if env.resolve_backend("auto", 2) == "nccl" else "cpu")
     diff = max_abs_diff(got[0], ch02_ranks.one_process(cfg, augment))
-    require(
-        diff < tol,
-        ex,
-        f"the 2 ranks end {diff:.2g} away from one process trained on their combined batches "
-        f"(more than {tol:g}): the noise a sample gets differs between them. Each rank draws "
-        "from a random stream of its own, seeded like the other's; one process draws from one "
-        "stream, in another order. What may the noise of one sample depend on, so that it is "
-        "the same whichever rank draws it and whatever else is in its batch?",
-    )
+    if diff >= tol:
+        first = [torch.load(run_dir / f"noise{r}.pt", weights_only=True) for r in (0, 1)]
+        why = (
+            "both ranks added the same noise to different samples: their random streams start "
+            "from the same seed, a bug in training too (the ranks' augmentations are correlated)"
+            if torch.allclose(*first, rtol=0, atol=1e-5)  # (x + noise) - x: float rounding
+            else "the ranks added different noise, which is right for training, but the noise a "
+            "sample gets depends on which rank draws it and on its batch"
+        )
+        raise ExerciseError(
+            ex,
+            f"the 2 ranks end {diff:.2g} away from one process trained on their combined "
+            f"batches (more than {tol:g}): {why}. One process on the combined batch draws other "
+            "numbers. What may the noise of one sample depend on, so that the run is the same on "
+            "any number of ranks?",
+        )
     passed(
         ex,
         f"noise of standard deviation {AMPLITUDE}, new every epoch; 2 ranks trained an epoch "

@@ -48,9 +48,12 @@ def indexed_digits() -> TensorDataset:
 def augment_worker(cfg: AugmentExerciseConfig) -> dict:
     """One rank of chapter 02's DDP training (every rank seeded 0, as chapter 02's worker is),
     with the learner's ``augment(x, index, epoch)`` applied to every batch before the forward
-    pass; saves the parameters (on the CPU) to ``params<rank>.pt`` in the run directory. Returns
+    pass, full float32 (no TF32); saves the noise it added to its first batch to ``noise<rank>.pt``
+    and the parameters (on the CPU) to ``params<rank>.pt`` in the run directory. Returns
     ``{"rank"}``."""
     augment = function_from(cfg.path, "augment")
+    run_dir = runlog.run_dir()
+    models.disable_tf32()  # full float32 on GPUs too, as the one-process reference computes
     with env.distributed(cfg.backend) as ctx:
         train_set = indexed_digits()
         torch.manual_seed(0)  # the same initial weights, and the same random stream, on every rank
@@ -60,12 +63,15 @@ def augment_worker(cfg: AugmentExerciseConfig) -> dict:
         for epoch in range(cfg.epochs):
             loader.sampler.set_epoch(epoch)
             for x, y, index in loader:
-                x = augment(x, index, epoch).to(ctx.device)
+                noisy = augment(x, index, epoch)
+                if epoch == 0 and not (run_dir / f"noise{ctx.rank}.pt").exists():
+                    torch.save(noisy - x, run_dir / f"noise{ctx.rank}.pt")  # the first batch's
+                x = noisy.to(ctx.device)
                 opt.zero_grad()
                 nn.functional.cross_entropy(model(x), y.to(ctx.device)).backward()
                 opt.step()
     state = {k: v.detach().cpu() for k, v in models.unwrap(model).state_dict().items()}
-    torch.save(state, runlog.run_dir() / f"params{env.rank()}.pt")
+    torch.save(state, run_dir / f"params{env.rank()}.pt")
     return {"rank": env.rank()}
 
 

@@ -184,8 +184,19 @@ STARTER_AUGMENT = "return x + 0.1 * torch.randn_like(x)"  # each rank's own rand
             RIGHT_AUGMENT.replace("10**6 * epoch + int(i)", "epoch + int(i)"),
             "two (epoch, index) pairs lead to the same draw",
         ),
+        (  # collides past index 1000 only: sample 405 in epoch 1 is sample 1405 in epoch 0
+            RIGHT_AUGMENT.replace("10**6 * epoch", "1000 * epoch"),
+            "two (epoch, index) pairs lead to the same draw",
+        ),
     ],
-    ids=["no-noise", "too-much", "wrong-shape", "same-every-epoch", "epoch-shifts-index"],
+    ids=[
+        "no-noise",
+        "too-much",
+        "wrong-shape",
+        "same-every-epoch",
+        "epoch-shifts-index",
+        "epoch-times-1000",
+    ],
 )
 def test_02_2_a_wrong_noise_fails_before_any_run(body, hint, tmp_path):
     path = tmp_path / "ex02_augment.py"

@@ -1260,8 +1260,9 @@ def exercise_06a2_nccl_hint(w: Where) -> dict:
     from mgtutorial.exercises import ExerciseError, ch06a
 
     body = (
-        "import torch\nimport torch.distributed as dist\n\n\ndef epoch_loss(losses, ctx):\n"
-        "    total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64{where})\n"
+        "import torch\nimport torch.distributed as dist\n\n\ndef epoch_loss(losses, sizes, ctx):\n"
+        "    summed = sum(loss * n for loss, n in zip(losses, sizes))\n"
+        "    total = torch.tensor([summed, sum(sizes)], dtype=torch.float64{where})\n"
         "    dist.all_reduce(total)\n    return float(total[0] / total[1])\n"
     )
     os.chdir(w.workdir)  # the checker's runs go to runs/exercises here

@@ -1,5 +1,5 @@
-"""Exercises 02.2, 02.3 and 02.4's checkers: the solution passes, wrong answers fail with their
-hint, and no hint prints the answer."""
+"""Exercises 02.1, 02.2, 02.3 and 02.4's checkers: the solution passes, wrong answers fail with
+their hint, and no hint prints the answer."""
 
 from __future__ import annotations
 
@@ -79,82 +79,150 @@ def test_02_3_right_passes_and_a_wrong_equal_fails(tmp_path, monkeypatch, capsys
         ch02.last_batch(RIGHT | {"equal": False})
 
 
-RANK = """
-import torch
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-from mgtutorial import load_dataset
-from mgtutorial.common.data import train_loader
-from mgtutorial.common.models import ArticleCNN
-
-
-def train(cfg, ctx):
-    train_set, _ = load_dataset("digits")
-    torch.manual_seed(0)
-    model = ArticleCNN(tuple(train_set[0][0].shape)).to(ctx.device)
-    model = {wrap}
-    loader = train_loader(train_set, cfg.batch_size, {rank}, ctx.world_size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    for epoch in range(cfg.epochs):
-        loader.sampler.set_epoch({epoch})
-        for X, y in loader:
-            X, y = X.to(ctx.device), y.to(ctx.device)
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(X), y).backward()
-            optimizer.step()
-    return model
-"""
-STARTER = """
-import torch
-from torch import nn
-from torch.utils.data import DataLoader
-
-from mgtutorial import load_dataset
-from mgtutorial.common.models import ArticleCNN
+def _predict(fail_rank, fail_step, fail_how):  # 02.1's right prediction
+    raised = [fail_rank] if fail_how == "raise" else []
+    return {
+        "named": fail_rank,
+        "steps_logged": [fail_step, fail_step],
+        "python_errors": sorted(raised + [1 - fail_rank]),
+    }
 
 
-def train(cfg, ctx):
-    train_set, _ = load_dataset("digits")
-    torch.manual_seed(0)
-    model = ArticleCNN(tuple(train_set[0][0].shape))
-    loader = DataLoader(train_set, cfg.batch_size, shuffle=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    for epoch in range(cfg.epochs):
-        for X, y in loader:
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(X), y).backward()
-            optimizer.step()
-    return model
-"""
-GOOD = dict(
-    wrap='DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)',
-    rank="ctx.rank",
-    epoch="epoch",
+def _named_first_error(fail_rank, fail_step, fail_how):  # the rank whose error came first
+    return _predict(fail_rank, fail_step, fail_how) | {"named": 0}
+
+
+def _other_waits(fail_rank, fail_step, fail_how):  # gloo's other rank would wait, not raise
+    return _predict(fail_rank, fail_step, fail_how) | {
+        "python_errors": [fail_rank] if fail_how == "raise" else []
+    }
+
+
+def _killed_raises(fail_rank, fail_step, fail_how):  # a SIGKILLed rank recording an exception
+    return _predict(fail_rank, fail_step, fail_how) | {"python_errors": [0, 1]}
+
+
+def _one_step_more(fail_rank, fail_step, fail_how):  # the other rank logs the next step too
+    steps = [fail_step + 1, fail_step + 1]
+    steps[fail_rank] = fail_step
+    return _predict(fail_rank, fail_step, fail_how) | {"steps_logged": steps}
+
+
+@pytest.mark.parametrize(
+    "predict, hint",
+    [
+        (lambda *a: [1, 5], "returns list: return a dict"),
+        (lambda *a: {"named": 1, "steps_logged": ..., "python_errors": []}, "still `...`"),
+    ],
+    ids=["not-a-dict", "starter"],
 )
+def test_02_1_an_unanswered_prediction_fails_before_any_run(predict, hint):
+    with pytest.raises(ExerciseError, match="02.1") as err:
+        ch02.failing_rank(predict)
+    assert hint in err.value.hint
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "change, hint",
+    "predict, hint",
     [
-        ({}, None),
-        ({"wrap": "model"}, "the two ranks end with different models"),
-        ({"rank": "0"}, "both ranks drew the same samples"),
-        ({"epoch": "0"}, "epoch 1 repeated epoch 0's order"),
-        (None, "does each rank train on its own share"),  # the starter: chapter 01's loop
+        (_predict, None),
+        (_named_first_error, "launch names the rank whose failure started it"),
+        (_one_step_more, "can it log a step whose all-reduces miss a rank?"),
+        (_other_waits, "What does gloo do with an all-reduce"),
+        (_killed_raises, "Can a process that SIGKILL ends run an except clause?"),
     ],
-    ids=["right", "no-ddp", "rank-0", "no-set-epoch", "starter"],
+    ids=["right", "first-error", "one-step-more", "other-waits", "killed-raises"],
 )
-def test_02_2_own_rank(change, hint, tmp_path, monkeypatch, capsys, no_leftovers):
+def test_02_1_failing_rank(predict, hint, tmp_path, monkeypatch, capsys, no_leftovers):
     monkeypatch.chdir(tmp_path)
-    path = tmp_path / "ex02_rank.py"
-    path.write_text(STARTER if change is None else RANK.format(**(GOOD | change)))
+    out = _passes_or_hints(ch02.failing_rank, predict, hint, capsys)
+    assert hint or "rank 1 raising after step 5" in out and "[0, 1], then [1], as you" in out
+
+
+def _passes_or_hints(check, answer, hint, capsys) -> str:
+    """Run ``check(answer)``: it passes (hint None; returns what it printed) or fails with
+    ``hint``."""
     if hint is None:
-        ch02.own_rank(str(path))
-        assert capsys.readouterr().out.startswith("✓ 02.2 your own DDP rank: 2 ranks trained 2")
-        return
-    with pytest.raises(ExerciseError, match="02.2") as err:
-        ch02.own_rank(str(path))
+        check(answer)
+        out = capsys.readouterr().out
+        assert out.startswith("✓ 02.")
+        return out
+    with pytest.raises(ExerciseError, match="02.") as err:
+        check(answer)
     assert hint in err.value.hint
+    return ""
+
+
+AUGMENT = """
+import torch
+
+
+def augment(x, index, epoch):
+    {body}
+"""
+RIGHT_AUGMENT = """g = torch.Generator()
+    seeds = [10**6 * epoch + int(i) for i in index]
+    noise = [torch.randn(x.shape[1:], generator=g.manual_seed(s)) for s in seeds]
+    return x + 0.1 * torch.stack(noise)"""
+RANK_VAR = "__import__('os').environ.get('RANK', 0)"
+STARTER_AUGMENT = "return x + 0.1 * torch.randn_like(x)"  # each rank's own random stream
+
+
+@pytest.mark.parametrize(
+    "body, hint",
+    [
+        ("return x", "a standard deviation of 0: add Gaussian noise"),
+        ("return x + torch.randn_like(x)", "add Gaussian noise of standard deviation 0.1"),
+        ("return x[:1]", "return the batch, shape (32, 3, 32, 32)"),
+        (  # a sample's noise from its index alone: the same every epoch
+            RIGHT_AUGMENT.replace("10**6 * epoch + ", ""),
+            "epoch 1 adds the same noise to these samples as epoch 0",
+        ),
+        (  # sample i's noise in epoch 1 is sample i + 1's in epoch 0
+            RIGHT_AUGMENT.replace("10**6 * epoch + int(i)", "epoch + int(i)"),
+            "two (epoch, index) pairs lead to the same draw",
+        ),
+        (  # collides past index 1000 only: sample 405 in epoch 1 is sample 1405 in epoch 0
+            RIGHT_AUGMENT.replace("10**6 * epoch", "1000 * epoch"),
+            "two (epoch, index) pairs lead to the same draw",
+        ),
+    ],
+    ids=[
+        "no-noise",
+        "too-much",
+        "wrong-shape",
+        "same-every-epoch",
+        "epoch-shifts-index",
+        "epoch-times-1000",
+    ],
+)
+def test_02_2_a_wrong_noise_fails_before_any_run(body, hint, tmp_path):
+    path = tmp_path / "ex02_augment.py"
+    path.write_text(AUGMENT.format(body=body))
+    with pytest.raises(ExerciseError, match="02.2") as err:
+        ch02.augmentation(str(path))
+    assert hint in err.value.hint
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "body, hint",
+    [
+        (RIGHT_AUGMENT, None),
+        (STARTER_AUGMENT, "both ranks added the same noise to different samples"),
+        (  # right in one process, where RANK is unset; rank 1 draws other noise
+            RIGHT_AUGMENT.replace("int(i)", f"int(i) + 7 * int({RANK_VAR})"),
+            "the ranks added different noise, which is right for training",
+        ),
+    ],
+    ids=["right", "starter", "rank-dependent"],
+)
+def test_02_2_augmentation(body, hint, tmp_path, monkeypatch, capsys, no_leftovers):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "ex02_augment.py"
+    path.write_text(AUGMENT.format(body=body))
+    out = _passes_or_hints(ch02.augmentation, str(path), hint, capsys)
+    assert hint or "augmentation on several ranks: noise of standard deviation 0.1" in out

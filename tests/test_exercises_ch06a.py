@@ -1,5 +1,6 @@
-"""Exercise 06a.2's checker (the epoch loss over all ranks): the solution passes; a rank's own
-sum, the mean of the ranks' means and a count written into the function fail with their hint."""
+"""Exercise 06a.2's checker (the epoch loss over all ranks' samples): the solution passes; a rank's
+own sum, the mean of the ranks' means, the mean of the batch losses and a count written into the
+function fail with their hint."""
 
 from __future__ import annotations
 
@@ -12,18 +13,25 @@ import torch
 import torch.distributed as dist
 
 
-def epoch_loss(losses, ctx):
+def epoch_loss(losses, sizes, ctx):
     {body}
 """
-RIGHT = """total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64, device=ctx.device)
+RIGHT = """summed = sum(loss * n for loss, n in zip(losses, sizes))
+    total = torch.tensor([summed, sum(sizes)], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(total)
     return float(total[0] / total[1])"""
-TEN = """total = torch.tensor([sum(losses)], dtype=torch.float64, device=ctx.device)
+WRITTEN_IN = """summed = sum(loss * n for loss, n in zip(losses, sizes))
+    total = torch.tensor([summed], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(total)
-    return float(total[0] / 10)  # 4 + 6 batches, written in"""
-MEANS = """mean = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64, device=ctx.device)
+    return float(total[0] / (13 + 23))  # 4·3 + 1 and 4·5 + 3 samples, written in"""
+MEANS = """mean = sum(loss * n for loss, n in zip(losses, sizes)) / sum(sizes)
+    mean = torch.tensor([mean], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(mean)
     return float(mean[0] / ctx.world_size)"""
+BATCHES = """count = len(losses)
+    total = torch.tensor([sum(losses), count], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(total)
+    return float(total[0] / total[1])"""
 
 
 @pytest.mark.timeout(180)
@@ -33,9 +41,10 @@ MEANS = """mean = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64,
         (RIGHT, None),
         ("return sum(losses)", "each rank's own sum"),
         (MEANS, "the mean of the two ranks' means"),
-        (TEN, "does your function count the batches"),
+        (BATCHES, "the mean of all the batch losses"),
+        (WRITTEN_IN, "assume how many there are"),
     ],
-    ids=["right", "own-sum", "mean-of-means", "count-written-in"],
+    ids=["right", "own-sum", "mean-of-means", "mean-of-batches", "count-written-in"],
 )
 def test_06a2(body, hint, tmp_path, monkeypatch, capsys, no_leftovers):
     monkeypatch.chdir(tmp_path)
@@ -48,6 +57,18 @@ def test_06a2(body, hint, tmp_path, monkeypatch, capsys, no_leftovers):
     with pytest.raises(ExerciseError, match="06a.2") as err:
         ch06a.global_mean_loss(str(path))
     assert hint in err.value.hint
+
+
+def test_06a2_the_three_wrong_means_differ_from_the_right_one():
+    # the checker tells the wrong answers apart only if they are different numbers here
+    from mgtutorial.exercises.ch06_ranks import sized_batch_losses
+
+    own = [sized_batch_losses(r) for r in (0, 1)]
+    losses, sizes = own[0][0] + own[1][0], own[0][1] + own[1][1]
+    right = ch06a._mean(losses, sizes)
+    wrong = [(ch06a._mean(*own[0]) + ch06a._mean(*own[1])) / 2, sum(losses) / len(losses)]
+    assert all(abs(w - right) > 1e-3 for w in wrong)
+    assert sizes == [4, 4, 4, 1, 4, 4, 4, 4, 4, 3]
 
 
 NET = """

@@ -44,3 +44,19 @@ def test_mlp_sizes():
     mlp = models.ArticleMLP()
     assert mlp(torch.randn(2, 1024)).shape == (2, 100)
     assert models.count_parameters(mlp) == 1024 * 512 + 512 + 512 * 256 + 256 + 256 * 100 + 100
+
+
+def test_mlp_without_relu_is_the_articles_linear_map():
+    # the article's sub-networks are a Linear each, nothing between: one linear map in all
+    torch.manual_seed(0)
+    article, course = models.ArticleMLP(relu=False), models.ArticleMLP()
+    assert [s.relu for s in article.subnets] == [False, False, False]
+    assert [s.relu for s in course.subnets] == [True, True, False]  # the course adds the ReLUs
+    weight, bias = torch.eye(1024), torch.zeros(1024)
+    for s in article.subnets:
+        weight, bias = s.linear.weight @ weight, s.linear.weight @ bias + s.linear.bias
+    x = torch.randn(8, 1024)
+    with torch.no_grad():
+        torch.testing.assert_close(article(x), x @ weight.T + bias, atol=1e-5, rtol=1e-4)
+        course.load_state_dict(article.state_dict())  # the same parameters, the ReLUs between
+        assert (course(x) - (x @ weight.T + bias)).abs().max() > 1e-2

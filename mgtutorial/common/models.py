@@ -72,8 +72,10 @@ class ArticleCNN(nn.Module):
 
 
 class SubNet(nn.Module):
-    """One block of the article's MLP: ``Linear(in_features, out_features)``, then ReLU when
-    ``relu`` (every block but the last, whose outputs are the logits)."""
+    """One block of the MLP: ``Linear(in_features, out_features)``, then ReLU when ``relu``.
+
+    The article's block is the ``Linear`` alone (``relu=False``); the ReLU is the course's
+    addition (see :class:`ArticleMLP`)."""
 
     def __init__(self, in_features: int, out_features: int, relu: bool = True):
         super().__init__()
@@ -86,19 +88,27 @@ class SubNet(nn.Module):
 
 
 class ArticleMLP(nn.Module):
-    """The article's "model parallel" MLP: sub-networks 1024 → 512 → 256 → 100, applied in order,
-    ReLU between them (not after the last: its outputs are the logits of 100 classes).
+    """The article's "model parallel" MLP: sub-networks 1024 → 512 → 256 → 100, applied in order.
+
+    The article's sub-networks are one ``nn.Linear`` each with nothing between them
+    (``relu=False`` builds exactly that). A stack of linear maps is itself one linear map (here
+    1024 → 100, of rank at most 256), so the course adds a ReLU between sub-networks (not after
+    the last: its outputs are the logits) to make it an MLP (``relu=True``, the default).
+    Splitting, pipelining and the activations saved for backward are the same either way (each
+    ReLU's output is the next Linear's input, one tensor). Chapter 06b ("The model", before
+    section 2.1) shows the collapse.
 
     Shapes: input ``(B, sizes[0])``; output ``(B, sizes[-1])``. :meth:`split` cuts it into
     pipeline stages.
     """
 
-    def __init__(self, sizes: tuple[int, ...] = (1024, 512, 256, 100)):
+    def __init__(self, sizes: tuple[int, ...] = (1024, 512, 256, 100), relu: bool = True):
         super().__init__()
         self.sizes = tuple(sizes)
         n = len(sizes) - 1
         self.subnets = nn.ModuleList(
-            SubNet(a, b, relu=i < n - 1) for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))
+            SubNet(a, b, relu=relu and i < n - 1)
+            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

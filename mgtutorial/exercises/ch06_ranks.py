@@ -13,6 +13,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from mgtutorial.article import ddp_flaws
 from mgtutorial.common.config import Config
 from mgtutorial.exercises._common import function_from
@@ -29,27 +32,53 @@ def logged(runs_dir: str | Path, name: str, kind: str) -> list[dict]:
 # --- 06a.2: the epoch loss, over all ranks -------------------------------------------------------
 
 
+def sized_batch_losses(
+    rank: int, seed: int = 0, batch_size: int = 4
+) -> tuple[list[float], list[int]]:
+    """Rank ``rank``'s epoch as a loader without ``drop_last`` gives it: ``4 + 2 * rank`` batches
+    (unequal on purpose), the last one shorter (``1 + 2 * rank`` samples), each batch's loss the
+    mean cross-entropy over its samples of a fixed ``Linear(8, 3)`` on random data. Returns
+    ``(losses, sizes)``, the same numbers in a rank and in a single process (exercise 06a.2;
+    :func:`~mgtutorial.article.ddp_flaws.batch_losses`, section 1.7's, has equal batches)."""
+    env.seed_everything(seed)
+    model = nn.Linear(8, 3)
+    g = torch.Generator().manual_seed(seed + 101 + rank)
+    n = 4 + 2 * rank
+    sizes = [batch_size] * (n - 1) + [1 + 2 * rank]
+    with torch.no_grad():
+        losses = [
+            nn.functional.cross_entropy(
+                model(torch.randn(b, 8, generator=g)), torch.randint(0, 3, (b,), generator=g)
+            ).item()
+            for b in sizes
+        ]
+    return losses, sizes
+
+
 @dataclass(kw_only=True)
 class LossExerciseConfig(Config):
     """Configuration of :func:`loss_worker`."""
 
     path: str
-    """The learner's file, defining ``epoch_loss(losses, ctx) -> float``."""
+    """The learner's file, defining ``epoch_loss(losses, sizes, ctx) -> float``."""
     seed: int = 0
     """Seed of the model and of each rank's batches."""
     keep: list[int] | None = None
-    """How many of its batch losses each rank keeps (None: all of them, 4 and 6)."""
+    """How many of its last batches each rank keeps (None: all of them, 4 and 6)."""
 
 
 def loss_worker(cfg: LossExerciseConfig) -> dict:
-    """Call the learner's ``epoch_loss(losses, ctx)`` on this rank's
-    :func:`~mgtutorial.article.ddp_flaws.batch_losses`; log and return ``{"losses", "reported"}``
+    """Call the learner's ``epoch_loss(losses, sizes, ctx)`` on this rank's
+    :func:`sized_batch_losses` (its last ``keep[rank]`` batches,
+    the shorter last one included); log and return ``{"losses", "sizes", "reported"}``
     (``kind="epoch_loss"``)."""
     epoch_loss = function_from(cfg.path, "epoch_loss")
     with env.distributed() as ctx, runlog.RunLog() as log:
-        losses = ddp_flaws.batch_losses(ctx.rank, cfg.seed)[: (cfg.keep or [None] * 2)[ctx.rank]]
-        reported = float(epoch_loss(losses, ctx))
-        return log.write(kind="epoch_loss", losses=losses, reported=reported)
+        losses, sizes = sized_batch_losses(ctx.rank, cfg.seed)
+        if cfg.keep:
+            losses, sizes = losses[-cfg.keep[ctx.rank] :], sizes[-cfg.keep[ctx.rank] :]
+        reported = float(epoch_loss(list(losses), list(sizes), ctx))
+        return log.write(kind="epoch_loss", losses=losses, sizes=sizes, reported=reported)
 
 
 # --- 06b.2: the world a process group is told, on two nodes --------------------------------------

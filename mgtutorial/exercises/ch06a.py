@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from mgtutorial.article import ddp_flaws
 from mgtutorial.exercises import ch06_ranks
 from mgtutorial.exercises._common import (
     ExerciseError,
@@ -138,73 +137,91 @@ def flatten_fix(path: str = "ex06a_net.py") -> None:
 # --- 06a.2: the epoch loss, over all ranks -------------------------------------------------------
 
 
-def global_mean_loss(path: str = "ex06a_loss.py") -> None:
-    """06a.2: ``epoch_loss(losses, ctx)`` in ``path`` turns this rank's list of batch losses
-    (floats) into the epoch's loss over *all* ranks' batches (a float, the same on every rank).
+def _mean(losses, sizes) -> float:
+    """The mean loss over every sample of ``losses`` (each a batch's mean) of ``sizes`` samples."""
+    return sum(loss * n for loss, n in zip(losses, sizes)) / sum(sizes)
 
-    Run on 2 ranks with 4 and 6 batches (:func:`~mgtutorial.exercises.ch06_ranks.loss_worker`);
-    verified from the logged records against the mean of all 10 losses computed in this process.
+
+def global_mean_loss(path: str = "ex06a_loss.py") -> None:
+    """06a.2: ``epoch_loss(losses, sizes, ctx)`` in ``path`` turns this rank's batch losses (floats,
+    each the mean over its batch) and batch sizes (ints) into the epoch's loss over *every sample*
+    of *all* ranks (a float, the same on every rank): what one process computes over the whole
+    data set.
+
+    Run on 2 ranks with 4 and 6 batches, each rank's last batch shorter
+    (:func:`~mgtutorial.exercises.ch06_ranks.loss_worker`), then with each rank's last 1 and 3;
+    verified against the one-process mean of the same samples. Each wrong number the checker
+    recognises (a rank's own sum, the mean of the ranks' means, the mean of the batch losses)
+    gets its own hint.
     """
     ex = "06a.2 global mean loss"
     function_from(path, "epoch_loss", ex)
-    cfg = ch06_ranks.LossExerciseConfig(path=str(Path(path).resolve()))
-    try:
-        result = run_ranks(ex, ch06_ranks.loss_worker, cfg, 2, name="epoch-loss")
-    except RankFailed as failed:
-        if "device type cpu" in failed.hint.lower():  # NCCL (backend "auto" with a GPU per rank)
+    for keep in (None, [1, 3]):  # the second run: a count written into the function shows here
+        cfg = ch06_ranks.LossExerciseConfig(path=str(Path(path).resolve()), keep=keep)
+        try:
+            result = run_ranks(ex, ch06_ranks.loss_worker, cfg, 2, name="epoch-loss")
+        except RankFailed as failed:
+            if "device type cpu" in failed.hint.lower():  # NCCL ("auto" with a GPU per rank)
+                raise ExerciseError(
+                    ex,
+                    f"{failed.hint}: NCCL all-reduces CUDA tensors only; create the tensor "
+                    "on ctx.device (torch.tensor(..., device=ctx.device))",
+                ) from None
+            raise
+        recs = {r["rank"]: r for r in runlog.of_kind(runlog.read_run(result.run_dir), "epoch_loss")}
+        got = {r: recs[r]["reported"] for r in (0, 1)}
+        own = {}  # each rank's losses and sizes, computed again in this one process
+        for r in (0, 1):
+            losses, sizes = ch06_ranks.sized_batch_losses(r, cfg.seed)
+            n = keep[r] if keep else len(sizes)
+            own[r] = (losses[-n:], sizes[-n:])
+            if own[r] != (recs[r]["losses"], recs[r]["sizes"]):
+                raise RuntimeError(f"rank {r} saw other batches than the one-process reference")
+        every = [sum((own[r][i] for r in (0, 1)), []) for i in (0, 1)]  # all losses, all sizes
+        reference = _mean(*every)  # one process, every sample
+        counts = f"{len(own[0][0])} and {len(own[1][0])} batches"
+        if not close(got[0], got[1], rel=1e-6):
+            which = (
+                " (each rank's own sum, as the article prints)"
+                if all(close(got[r], sum(own[r][0])) for r in (0, 1))
+                else ""
+            )
             raise ExerciseError(
                 ex,
-                f"{failed.hint}: NCCL all-reduces CUDA tensors only; create the tensor "
-                "on ctx.device (torch.tensor(..., device=ctx.device))",
-            ) from None
-        raise
-    got = {
-        r["rank"]: r["reported"]
-        for r in runlog.of_kind(runlog.read_run(result.run_dir), "epoch_loss")
-    }
-    own = {r: ddp_flaws.batch_losses(r) for r in (0, 1)}
-    reference = sum(own[0] + own[1]) / len(own[0] + own[1])  # one process, every batch
-    if not close(got[0], got[1], rel=1e-6):
-        which = (
-            " (each rank's own sum, as the article prints)"
-            if all(close(got[r], sum(own[r])) for r in (0, 1))
-            else ""
+                f"rank 0 reports {got[0]:.4f} and rank 1 {got[1]:.4f}{which}: a number that "
+                "differs between ranks was computed from something only one rank has; check every "
+                "term of your division",
+            )
+        if close(got[0], reference, rel=1e-5):
+            continue
+        means = (_mean(*own[0]) + _mean(*own[1])) / 2
+        require(
+            not close(got[0], means, rel=1e-5),
+            ex,
+            f"with {counts}, both ranks report the mean of the two ranks' means: does each "
+            "rank's mean count as much as the other's when the ranks hold different numbers of "
+            "samples?",
+        )
+        require(
+            not close(got[0], sum(every[0]) / len(every[0]), rel=1e-5),
+            ex,
+            f"with {counts}, both ranks report the mean of all the batch losses: each is a "
+            "mean over its own batch, and the last batch of each rank is shorter. How much of "
+            "the epoch's loss does one sample of a short batch carry?",
         )
         raise ExerciseError(
             ex,
-            f"rank 0 reports {got[0]:.4f} and rank 1 {got[1]:.4f}{which}: each rank sees "
-            "only its own batches; all-reduce the sum and the count of the losses",
+            f"with {counts}, both ranks report {got[0]:.4f}, not the mean loss over every "
+            "sample of both ranks that one process computes"
+            + (
+                ": does your function count the batches and samples, or assume how many there are?"
+                if keep
+                else ": what must every rank contribute so that the division is over all samples?"
+            ),
         )
-    means = (sum(own[0]) / len(own[0]) + sum(own[1]) / len(own[1])) / 2
-    require(
-        not close(got[0], means, rel=1e-5),
-        ex,
-        f"both ranks report {got[0]:.4f}, the mean of the two ranks' means, but rank 0 has "
-        f"{len(own[0])} batches and rank 1 {len(own[1])}: the mean of all batches is "
-        f"{reference:.4f}; all-reduce the sum and the count, then divide",
-    )
-    require(
-        close(got[0], reference, rel=1e-5),
-        ex,
-        f"both ranks report {got[0]:.4f}, but the mean of all {len(own[0] + own[1])} batch losses "
-        f"(one process) is {reference:.4f}: divide the all-reduced sum by the all-reduced count",
-    )
-    # the same file with other counts: a count written into the function shows here
-    keep = [1, 3]
-    cfg = ch06_ranks.LossExerciseConfig(path=str(Path(path).resolve()), keep=keep)
-    result = run_ranks(ex, ch06_ranks.loss_worker, cfg, 2, name="epoch-loss")
-    again = [r["reported"] for r in runlog.of_kind(runlog.read_run(result.run_dir), "epoch_loss")]
-    kept = own[0][: keep[0]] + own[1][: keep[1]]
-    require(
-        all(close(g, sum(kept) / len(kept), rel=1e-5) for g in again),
-        ex,
-        f"with {keep[0]} and {keep[1]} batches the ranks report "
-        f"{', '.join(f'{g:.4f}' for g in again)}, not the mean of those {len(kept)} losses: does "
-        "your function count the batches, or assume how many there are?",
-    )
     passed(
         ex,
-        f"both ranks report the mean of all {len(own[0] + own[1])} batch losses ({len(own[0])} on "
-        f"rank 0, {len(own[1])} on rank 1), equal to the one-process reference, and again with "
-        f"{keep[0]} and {keep[1]}",
+        "both ranks report the mean loss over every sample of both ranks (4 and 6 batches, each "
+        "rank's last one shorter), equal to the one-process reference, and again with each "
+        "rank's last 1 and 3",
     )

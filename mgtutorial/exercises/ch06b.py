@@ -38,7 +38,8 @@ CASES = (
     ((100, 10), 7, torch.bfloat16, nn.GELU),
 )
 """06b.1's configurations (sizes, batch size, dtype, activation between sub-networks), checked in
-this order: Tanh instead of the ReLU of section 2.3, a larger batch, GELU, deeper, other dtypes."""
+this order: Tanh instead of the course's ReLU of section 2.3, a larger batch, GELU, deeper, other
+dtypes."""
 
 _CASE_HINTS = (
     "redo section 2.3's breakdown for these widths, tensor by tensor: to compute its gradient, "

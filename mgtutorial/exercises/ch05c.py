@@ -1,6 +1,6 @@
-"""Checkers of chapter 05c's exercises (notebooks/05c_hangs_and_debugging.ipynb): a collective
-only one rank calls, found with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, and what a rank that skips the
-last collective looks like with and without DETAIL.
+"""Checkers of chapter 05c's exercises (notebooks/05c_hangs_and_debugging.ipynb): an early stop
+that hangs the job, diagnosed from ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s error and fixed, and what a
+rank that skips the last collective looks like with and without DETAIL.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from mgtutorial.exercises._common import (
     ExerciseError,
     RankFailed,
     answered,
+    close,
     passed,
     require,
     run_file,
@@ -22,26 +23,67 @@ from mgtutorial.scale.output import short
 
 
 def _fingerprint(message: str) -> str:
-    """What a DETAIL mismatch error says of the failing rank's own call (the peer's side is garbled:
-    the peer is inside DETAIL's own check by then)."""
+    """What a DETAIL mismatch error says of the failing rank's own call: its operation, sequence
+    number and tensor shape (the peer's side can be garbled: the peer may be inside DETAIL's own
+    check by then)."""
     own = r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),? ?"
-    own += r"OpType=(\w+)"
+    own += r"OpType=(\w+)(?:, TensorShape=(\[[\d, ]*\]))?"
     if not (m := re.search(own, message)):
         return ""
+    shape = f" of shape {m[4]}" if m[4] else ""
+    peer = re.search(
+        r"but Rank (\d+) is running collective: CollectiveFingerPrint\(Sequence"
+        r"Number=(\d+),? ?OpType=(\w+)(?:, TensorShape=(\[[\d, ]*\]))?",
+        message,
+    )
+    theirs = f"{peer[3]}" + (f" of shape {peer[4]}" if peer and peer[4] else "") if peer else ""
     return (
-        f"rank {m[1]} was calling {m[3]} as its collective #{m[2]} while its peer called another "
-        "one (a BARRIER is env.distributed's, when the worker returns)"
+        f"rank {m[1]} was calling {m[3]}{shape} as its collective #{m[2]} (counting from 0) while "
+        f"its peer called {theirs or 'another one'} (a BARRIER is env.distributed's, when the "
+        "worker returns)"
     )
 
 
-def rank_zero_metric(path: str = "ex05c_metric.py") -> None:
-    """05c.1: ``worker(cfg)`` in ``path`` returns, on rank 0, ``[(step, mean over ranks of
-    rank + step)]`` for steps 0 and 2 of 4, and ``[]`` on the other ranks.
+THRESHOLD = 0.8
+"""05c.1's early stopping: training stops after the first step whose mean loss over ranks is
+below this."""
+MAX_STEPS = 10
 
-    Runs 2 ranks with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` and a 3-s collective timeout
-    (``cfg.options["timeout_s"]``); compares with the means computed here.
+
+def batch_loss(rank: int, step: int) -> float:
+    """05c.1's stand-in for a training step: the loss of rank ``rank``'s own batch at ``step``
+    (each rank trains on other data, so the ranks' losses differ: rank 1's falls faster)."""
+    return (4.2 if rank == 0 else 1.8) / (step + 1)
+
+
+def mean_loss(step: int, world_size: int = 2) -> float:
+    """The mean of :func:`batch_loss` over ``world_size`` ranks at ``step``."""
+    return sum(batch_loss(r, step) for r in range(world_size)) / world_size
+
+
+def early_stop_reference(world_size: int = 2) -> list[tuple[int, float]]:
+    """Rank 0's log of 05c.1 done right: ``(step, mean loss over ranks)`` for every step trained,
+    up to and including the first whose mean is below :data:`THRESHOLD`."""
+    log = []
+    for step in range(MAX_STEPS):
+        mean = mean_loss(step, world_size)
+        log.append((step, mean))
+        if mean < THRESHOLD:
+            break
+    return log
+
+
+def early_stop(path: str = "ex05c_early_stop.py") -> None:
+    """05c.1: ``worker(cfg)`` in ``path`` trains at most :data:`MAX_STEPS` steps with the losses of
+    :func:`batch_loss`, stops every rank after the first step whose mean loss over ranks is below
+    :data:`THRESHOLD`, and returns ``{"log": [(step, mean)] on rank 0 ([] elsewhere), "steps":
+    the steps trained, summed over ranks}``.
+
+    Runs 2 gloo ranks with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` and a 3-s collective timeout
+    (``cfg.options["timeout_s"]``), stopped after 60 s whatever happens; compares with
+    :func:`early_stop_reference`, computed here.
     """
-    ex, detail = "05c.1 a metric only rank 0 logs", {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    ex, detail = "05c.1 an early stop that hangs", {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
     try:
         run = run_file(
             ex, path, "worker", 2, options={"timeout_s": 3}, timeout_s=60, extra_env=detail
@@ -50,24 +92,49 @@ def rank_zero_metric(path: str = "ex05c_metric.py") -> None:
         seen = _fingerprint(e.hint) or short(e.hint)[:300]
         raise ExerciseError(
             ex,
-            f"DETAIL stopped the job: {seen}. Every rank must call the same "
-            "collectives in the same order: which ones does rank 1 make in your loop?",
+            f"DETAIL stopped the job: {seen}. Which line of the worker makes that call, and why "
+            "did one rank reach it while the other was still elsewhere?",
         ) from None
-    values, want = run.values, [[step, (0 + step + 1 + step) / 2] for step in (0, 2)]
-    got = [[int(s), float(m)] for s, m in values[0]] if isinstance(values[0], list) else values[0]
+    want = early_stop_reference()
+    for rank in range(2):
+        value = run.values[rank]
+        require(
+            isinstance(value, dict) and {"log", "steps"} <= set(value),
+            ex,
+            f"rank {rank} returned {value!r}: return a dict with 'log' and 'steps'",
+        )
+    log = [(int(s), float(m)) for s, m in run.values[0]["log"]]
+    require(run.values[1]["log"] == [], ex, "rank 1 logged: only rank 0 logs (its 'log' is [])")
     require(
-        got == want,
+        [s for s, _ in log] == list(range(len(log)))
+        and all(close(m, mean_loss(s), 1e-5) for s, m in log),
         ex,
-        f"rank 0 returned {values[0]!r}: it logs (step, mean) at steps 0 and 2, and the mean is "
-        "the all-reduced sum divided by the world size",
+        f"rank 0 logged {log}: one (step, mean loss over ranks) per step, from step 0",
+    )
+    require(log, ex, "rank 0 logged nothing: it logs (step, mean) for every step trained")
+    last, mean = log[-1]
+    require(
+        len(log) <= len(want),
+        ex,
+        f"rank 0 logged up to step {last}, but the mean loss over ranks was below {THRESHOLD} at "
+        "an earlier step: stop after the first step whose mean is below it, on every rank",
     )
     require(
-        values[1] == [],
+        len(log) == len(want),
         ex,
-        f"rank 1 returned {values[1]!r}: only rank 0 logs (returns [] elsewhere)",
+        f"the job stopped after step {last}, where the mean loss over ranks was {mean:.3f}, not "
+        f"below {THRESHOLD}: stop on the mean over ranks, on every rank at the same step",
+    )
+    steps = [run.values[rank]["steps"] for rank in range(2)]
+    require(
+        steps == [2 * len(want)] * 2,
+        ex,
+        f"the ranks returned 'steps' {steps}: the steps trained, summed over the ranks",
     )
     passed(
-        ex, "under DETAIL both ranks made the same all-reduces; rank 0 logged the means 0.5 and 2.5"
+        ex,
+        f"under DETAIL both ranks made the same collectives and stopped together after step "
+        f"{len(want) - 1}, where the mean loss over ranks fell to {want[-1][1]:.2f}",
     )
 
 

@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from mgtutorial.exercises import ExerciseError, ch05a, ch05a_store, ch05b, ch05c
+from mgtutorial.exercises import ExerciseError, RankFailed, ch05a, ch05a_store, ch05b, ch05c
+from mgtutorial.exercises._common import run_file
 
 
 def right_ranks(node_rank, nprocs):
@@ -214,8 +215,9 @@ def worker(cfg):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_early_stop_both_ways(tmp_path, capsys, no_leftovers):
-    """05c.1: the starter (each rank stops on its own loss) fails with DETAIL's fingerprints; the
-    mean over ranks passes; rank 0's own loss, broadcast, stops every rank together but too late."""
+    """05c.1: the starter (each rank stops on its own loss) fails with DETAIL's fingerprints, and
+    without DETAIL waits until the collective timeout (as the exercise says); the mean over ranks
+    passes; rank 0's own loss, broadcast, stops every rank together but too late."""
     files = {}
     for name, stop in [
         ("starter", "if loss.item() < THRESHOLD:"),
@@ -236,6 +238,8 @@ def test_early_stop_both_ways(tmp_path, capsys, no_leftovers):
         r" of shape \[\d\] as its collective #3",
     ):
         ch05c.early_stop(str(files["starter"]))
+    with pytest.raises(RankFailed, match="Timed out|closed"):  # without DETAIL: the timeout
+        run_file("05c.1", files["starter"], "worker", 2, options={"timeout_s": 3}, timeout_s=60)
     with pytest.raises(ExerciseError, match="rank 0 logged up to step 5, but the mean") as info:
         ch05c.early_stop(str(files["rank0"]))
     assert "step 3" not in str(info.value)

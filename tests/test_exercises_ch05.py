@@ -86,8 +86,12 @@ def test_store_after_restart_both_ways(tmp_path, capsys, monkeypatch, no_leftove
     ]:
         wrong = copy.deepcopy(STORE_RIGHT)
         wrong[mode][key] = value
-        with pytest.raises(ExerciseError, match=f"{mode}: .*not {value!r} in the run"):
+        with pytest.raises(ExerciseError, match=f"{mode}: your '{key}' is not what the restarted"):
             ch05a.store_after_restart(wrong)
+    with pytest.raises(ExerciseError, match="'key found'\\] is 'True': answer True or False"):
+        ch05a.store_after_restart(
+            {**STORE_RIGHT, "default": {**STORE_RIGHT["default"], "key found": "True"}}
+        )
     with pytest.raises(ExerciseError, match="answer 'agent' or 'rank 0'"):
         ch05a.store_after_restart(
             {**STORE_RIGHT, "default": {**STORE_RIGHT["default"], "store host": "node 0"}}

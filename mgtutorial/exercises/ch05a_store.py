@@ -70,8 +70,8 @@ MODES = {"default": {}, "disabled": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
 """The agents' extra environment of each of 05a.4's two jobs."""
 QUESTIONS = {
     "store host": "who hosts the store at MASTER_ADDR:MASTER_PORT: 'agent' or 'rank 0'",
-    "same port": "True if attempt 1's ranks get the MASTER_PORT of attempt 0",
-    "key found": "True if attempt 1 finds the key rank 0 wrote in attempt 0",
+    "same port": "whether attempt 1's ranks get the MASTER_PORT of attempt 0 (a bool)",
+    "key found": "whether attempt 1 finds the key rank 0 wrote in attempt 0 (a bool)",
 }
 _WHERE = {  # where torch decides it
     "store host": "_create_c10d_store in torch.distributed.rendezvous",
@@ -132,6 +132,12 @@ def store_after_restart(predicted: dict, runs_dir: str = "runs/exercises") -> No
             f"predicted[{mode!r}]['store host'] is {predicted[mode]['store host']!r}: answer "
             "'agent' or 'rank 0'",
         )
+        for key in ("same port", "key found"):
+            require(
+                isinstance(predicted[mode][key], bool),
+                ex,
+                f"predicted[{mode!r}][{key!r}] is {predicted[mode][key]!r}: answer True or False",
+            )
     try:
         records = run_probes(runs_dir)
     except TimeoutError as e:
@@ -147,7 +153,8 @@ def store_after_restart(predicted: dict, runs_dir: str = "runs/exercises") -> No
             require(
                 guess == truth,
                 ex,
-                f"{mode}: {QUESTIONS[key]}: not {guess!r} in the run; read {_WHERE[key]}",
+                f"{mode}: your {key!r} is not what the restarted ranks recorded; read "
+                f"{_WHERE[key]}",
             )
     passed(
         ex,

@@ -5,6 +5,7 @@ holds the value the checker expects."""
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import textwrap
 
@@ -61,6 +62,18 @@ def test_fixed_command_both_ways_and_no_hint_gives_the_value(capsys, monkeypatch
             ch05a.fixed_command(wrong)
         assert "8 " not in str(info.value) and "n003:" not in str(info.value)
     assert "OMP_NUM_THREADS" not in os.environ
+
+
+def test_a_localhost_endpoint_is_a_rendezvous_of_its_own_on_every_node():
+    """What 05a.2's statement and hint say of the broken line: torchrun's c10d backend hosts the
+    rendezvous store itself when the endpoint matches its machine, and "localhost" (or any
+    loopback address) matches every machine; every node then waits for the others at its own."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, utils
+
+    assert utils._matches_machine_hostname("localhost")
+    assert utils._matches_machine_hostname("127.0.0.1")
+    src = inspect.getsource(c10d_rendezvous_backend._create_tcp_store)
+    assert "is_host = _matches_machine_hostname(host)" in src
 
 
 STORE_RIGHT = {

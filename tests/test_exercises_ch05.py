@@ -244,6 +244,12 @@ def test_early_stop_both_ways(tmp_path, capsys, no_leftovers):
             "flag = (loss < THRESHOLD).float()\n            dist.broadcast(flag, 0)\n"
             "            if flag.item():",
         ),
+        (
+            "anyrank",  # stops together, as soon as one rank's own loss is below
+            "flag = (loss < THRESHOLD).float()\n"
+            "            dist.all_reduce(flag, dist.ReduceOp.MAX)\n"
+            "            if flag.item():",
+        ),
     ]:
         files[name] = tmp_path / f"{name}.py"
         files[name].write_text(textwrap.dedent(EARLY_STOP.format(stop=stop)))
@@ -260,3 +266,5 @@ def test_early_stop_both_ways(tmp_path, capsys, no_leftovers):
     with pytest.raises(ExerciseError, match="rank 0 logged up to step 5, but the mean") as info:
         ch05c.early_stop(str(files["rank0"]))
     assert "step 3" not in str(info.value)
+    with pytest.raises(ExerciseError, match="stopped after step 2, where the mean loss over ranks"):
+        ch05c.early_stop(str(files["anyrank"]))

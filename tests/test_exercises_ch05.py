@@ -49,7 +49,12 @@ def test_fixed_command_both_ways_and_no_hint_gives_the_value(capsys, monkeypatch
     assert capsys.readouterr().out.startswith("✓ 05a.2 a broken command: torchrun reads 3 nodes")
     ch05a.fixed_command(FIXED.replace("--nproc-per-node 8", "--nproc-per-node gpu").split())
     for wrong, hint in [
-        (ch05a.BROKEN, "--nproc-per-node 4 starts that many ranks per node"),
+        (ch05a.BROKEN, "localhost:29500: on each node that names the node itself"),
+        (FIXED.replace("--nproc-per-node 8", "--nproc-per-node 4"), "--nproc-per-node 4 starts"),
+        (FIXED.replace("n005:29400", "n005:abc"), "c10d rendezvous refuses it"),
+        (FIXED.replace("n005:29400", "n005:99999"), "c10d rendezvous refuses it"),
+        (FIXED.replace("n005:29400", "n005:0"), "port 0 lets the host pick"),
+        (FIXED.replace("--nnodes 3", "--nnodes 1:2:3"), "torchrun refuses these options"),
         (FIXED.replace("n005", "localhost"), "every node waits at a rendezvous of its own"),
         (FIXED.replace("n005", "gpu-a17"), "'gpu-a17' is not a node of the allocation"),
         (FIXED.replace("--nnodes 3", "--nnodes 3 --node-rank 2"), "c10d ignores it"),
@@ -99,8 +104,13 @@ def test_store_after_restart_both_ways(tmp_path, capsys, monkeypatch, no_leftove
     ]:
         wrong = copy.deepcopy(STORE_RIGHT)
         wrong[mode][key] = value
-        with pytest.raises(ExerciseError, match=f"{mode}: your '{key}' is not what the restarted"):
+        with pytest.raises(ExerciseError, match="1 of your 6 predictions differ") as info:
             ch05a.store_after_restart(wrong)
+        assert mode not in str(info.value)  # the hint does not say which one
+    wrong = copy.deepcopy(STORE_RIGHT)
+    wrong["disabled"] = dict(STORE_RIGHT["default"])  # "the same as by default"
+    with pytest.raises(ExerciseError, match="3 of your 6 predictions differ"):
+        ch05a.store_after_restart(wrong)
     with pytest.raises(ExerciseError, match="'key found'\\] is 'True': answer True or False"):
         ch05a.store_after_restart(
             {**STORE_RIGHT, "default": {**STORE_RIGHT["default"], "key found": "True"}}
@@ -233,12 +243,18 @@ def worker(cfg):
 @pytest.mark.timeout(240)
 def test_early_stop_both_ways(tmp_path, capsys, no_leftovers):
     """05c.1: the starter (each rank stops on its own loss) fails with DETAIL's fingerprints, and
-    without DETAIL waits until the collective timeout (as the exercise says); the mean over ranks
-    passes; rank 0's own loss, broadcast, stops every rank together but too late."""
+    without DETAIL waits until the collective timeout (as the exercise says); the highest own loss
+    of any rank (all-reduced with MAX) passes; stops that keep the ranks together on another value
+    (the mean, rank 0's own loss broadcast, any flag) stop too early, and no stop too late."""
     files = {}
     for name, stop in [
         ("starter", "if loss.item() < THRESHOLD:"),
-        ("right", "if mean.item() < THRESHOLD:"),
+        (
+            "right",
+            "worst = loss.clone()\n            dist.all_reduce(worst, op=dist.ReduceOp.MAX)\n"
+            "            if worst.item() < THRESHOLD:",
+        ),
+        ("mean", "if mean.item() < THRESHOLD:"),
         (
             "rank0",
             "flag = (loss < THRESHOLD).float()\n            dist.broadcast(flag, 0)\n"
@@ -250,21 +266,24 @@ def test_early_stop_both_ways(tmp_path, capsys, no_leftovers):
             "            dist.all_reduce(flag, dist.ReduceOp.MAX)\n"
             "            if flag.item():",
         ),
+        ("never", "if False:"),
     ]:
         files[name] = tmp_path / f"{name}.py"
         files[name].write_text(textwrap.dedent(EARLY_STOP.format(stop=stop)))
     ch05c.early_stop(str(files["right"]))
-    assert "stopped together after step 3" in capsys.readouterr().out
+    assert "stopped together after step 5" in capsys.readouterr().out
     with pytest.raises(
         ExerciseError,
         match=r"DETAIL stopped the job: rank \d was calling ALLREDUCE"
-        r" of shape \[\d\] as its collective #3",
-    ):
+        r" of shape \[\d\] as its collective #3 \(counting from 0\) while its peer called",
+    ) as info:
         ch05c.early_stop(str(files["starter"]))
+    assert "BARRIER" not in str(info.value)  # both calls are the worker's own all-reduces
     with pytest.raises(RankFailed, match="Timed out|closed"):  # without DETAIL: the timeout
         run_file("05c.1", files["starter"], "worker", 2, options={"timeout_s": 3}, timeout_s=60)
-    with pytest.raises(ExerciseError, match="rank 0 logged up to step 5, but the mean") as info:
-        ch05c.early_stop(str(files["rank0"]))
-    assert "step 3" not in str(info.value)
-    with pytest.raises(ExerciseError, match="stopped after step 2, where the mean loss over ranks"):
-        ch05c.early_stop(str(files["anyrank"]))
+    for name, last in [("mean", 3), ("rank0", 2), ("anyrank", 2)]:
+        with pytest.raises(ExerciseError, match=f"stopped after step {last}, where rank 1's own"):
+            ch05c.early_stop(str(files[name]))
+    with pytest.raises(ExerciseError, match="rank 0 logged up to step 9, but every rank") as info:
+        ch05c.early_stop(str(files["never"]))
+    assert "step 5" not in str(info.value)

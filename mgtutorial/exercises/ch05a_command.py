@@ -72,7 +72,7 @@ def launch_config(ex: str, command):
     try:  # config_from_args may set OMP_NUM_THREADS in the environment: not in this process's
         with mock.patch.dict(os.environ):
             config, _, _ = config_from_args(args)
-    except (AssertionError, ValueError) as e:
+    except (AssertionError, ValueError, RuntimeError) as e:
         raise ExerciseError(ex, f"torchrun refuses these options: {e}") from None
     finally:
         quiet.level = level
@@ -94,6 +94,31 @@ def fixed_command(fixed) -> None:
         ex,
         "--standalone makes a one-node job with a rendezvous of its own on each node",
     )
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    try:  # as the c10d backend reads it on the node (its default port: 29400)
+        host, port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=29400)
+    except ValueError as e:
+        raise ExerciseError(ex, f"torchrun's c10d rendezvous refuses it: {e}") from None
+    require(
+        host not in _LOCAL,
+        ex,
+        f"--rdzv-endpoint {config.rdzv_endpoint or '(none)'}: on each node that names the node "
+        "itself, so every node waits at a rendezvous of its own. Name one machine all nodes can "
+        "reach",
+    )
+    require(
+        host in nodes,
+        ex,
+        f"--rdzv-endpoint {config.rdzv_endpoint}: {host!r} is not a node of the allocation "
+        f"{ALLOCATION['SLURM_JOB_NODELIST']} (`scontrol show hostnames` expands it)",
+    )
+    require(
+        port > 0,
+        ex,
+        f"--rdzv-endpoint {config.rdzv_endpoint}: port 0 lets the host pick any free port, which "
+        "the other nodes cannot know",
+    )
     require(
         (config.min_nodes, config.max_nodes) == (len(nodes), len(nodes)),
         ex,
@@ -111,19 +136,6 @@ def fixed_command(fixed) -> None:
         ex,
         f"the rendezvous backend is {config.rdzv_backend!r}: the same line on every node needs "
         "the c10d rendezvous, which hands out the node ranks itself",
-    )
-    host = config.rdzv_endpoint.rpartition(":")[0].strip("[]") or config.rdzv_endpoint
-    require(
-        host not in _LOCAL,
-        ex,
-        f"--rdzv-endpoint {config.rdzv_endpoint}: on each node that names the node itself, so "
-        "every node waits at a rendezvous of its own. Name one machine all nodes can reach",
-    )
-    require(
-        host in nodes,
-        ex,
-        f"--rdzv-endpoint {config.rdzv_endpoint}: {host!r} is not a node of the allocation "
-        f"{ALLOCATION['SLURM_JOB_NODELIST']} (`scontrol show hostnames` expands it)",
     )
     require(
         args.node_rank == 0,

@@ -244,8 +244,10 @@ def worker(cfg):
 def test_early_stop_both_ways(tmp_path, capsys, no_leftovers):
     """05c.1: the starter (each rank stops on its own loss) fails with DETAIL's fingerprints, and
     without DETAIL waits until the collective timeout (as the exercise says); the highest own loss
-    of any rank (all-reduced with MAX) passes; stops that keep the ranks together on another value
-    (the mean, rank 0's own loss broadcast, any flag) stop too early, and no stop too late."""
+    of any rank (all-reduced with MAX) passes with both sets of losses; stops that keep the ranks
+    together on another value (the mean, one rank's own loss broadcast, any rank's flag, a fixed
+    step) fail in at least one of them, and no stop at all fails too."""
+    flag = "flag = (loss < THRESHOLD).float()\n            "
     files = {}
     for name, stop in [
         ("starter", "if loss.item() < THRESHOLD:"),
@@ -255,23 +257,16 @@ def test_early_stop_both_ways(tmp_path, capsys, no_leftovers):
             "            if worst.item() < THRESHOLD:",
         ),
         ("mean", "if mean.item() < THRESHOLD:"),
-        (
-            "rank0",
-            "flag = (loss < THRESHOLD).float()\n            dist.broadcast(flag, 0)\n"
-            "            if flag.item():",
-        ),
-        (
-            "anyrank",  # stops together, as soon as one rank's own loss is below
-            "flag = (loss < THRESHOLD).float()\n"
-            "            dist.all_reduce(flag, dist.ReduceOp.MAX)\n"
-            "            if flag.item():",
-        ),
+        ("rank0", flag + "dist.broadcast(flag, 0)\n            if flag.item():"),
+        ("rank1", flag + "dist.broadcast(flag, 1)\n            if flag.item():"),
+        ("anyrank", flag + "dist.all_reduce(flag, dist.ReduceOp.MAX)\n            if flag.item():"),
+        ("step5", "if step == 5:"),
         ("never", "if False:"),
     ]:
         files[name] = tmp_path / f"{name}.py"
         files[name].write_text(textwrap.dedent(EARLY_STOP.format(stop=stop)))
     ch05c.early_stop(str(files["right"]))
-    assert "stopped together after step 5" in capsys.readouterr().out
+    assert "after step 5 and, with other losses, after step 3" in capsys.readouterr().out
     with pytest.raises(
         ExerciseError,
         match=r"DETAIL stopped the job: rank \d was calling ALLREDUCE"
@@ -281,9 +276,16 @@ def test_early_stop_both_ways(tmp_path, capsys, no_leftovers):
     assert "BARRIER" not in str(info.value)  # both calls are the worker's own all-reduces
     with pytest.raises(RankFailed, match="Timed out|closed"):  # without DETAIL: the timeout
         run_file("05c.1", files["starter"], "worker", 2, options={"timeout_s": 3}, timeout_s=60)
-    for name, last in [("mean", 3), ("rank0", 2), ("anyrank", 2)]:
-        with pytest.raises(ExerciseError, match=f"stopped after step {last}, where rank 1's own"):
+    for name, layout, last in [
+        ("mean", 0, 3),
+        ("rank0", 0, 2),
+        ("anyrank", 0, 2),
+        ("rank1", 1, 1),  # right with the first losses, where rank 1 is the slow one
+    ]:
+        with pytest.raises(
+            ExerciseError, match=f"no. {layout}, the job stopped after step {last},"
+        ):
             ch05c.early_stop(str(files[name]))
-    with pytest.raises(ExerciseError, match="rank 0 logged up to step 9, but every rank") as info:
-        ch05c.early_stop(str(files["never"]))
-    assert "step 5" not in str(info.value)
+    for name, layout, last in [("step5", 1, 5), ("never", 0, 9)]:
+        with pytest.raises(ExerciseError, match=f"no. {layout}, rank 0 logged up to step {last},"):
+            ch05c.early_stop(str(files[name]))

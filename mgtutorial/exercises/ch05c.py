@@ -5,6 +5,7 @@ rank that skips the last collective looks like with and without DETAIL.
 
 from __future__ import annotations
 
+import os
 import re
 
 from mgtutorial.exercises._common import (
@@ -51,42 +52,43 @@ below this."""
 MAX_STEPS = 10
 
 
-def batch_loss(rank: int, step: int) -> float:
-    """05c.1's stand-in for a training step: the loss of rank ``rank``'s own batch at ``step``
-    (each rank trains on other data, so the ranks' losses differ: rank 0's falls faster)."""
-    return (1.8 if rank == 0 else 4.2) / (step + 1)
+LAYOUT_ENV = "MGTUTORIAL_05C_LOSSES"
+"""The variable that picks the losses of :func:`batch_loss` in the ranks ("0" unless set)."""
+_LAYOUTS = {"0": (1.8, 4.2), "1": (3.0, 1.2)}  # each rank's loss at step 0; then / (step + 1)
 
 
-def mean_loss(step: int, world_size: int = 2) -> float:
+def batch_loss(rank: int, step: int, layout: str | None = None) -> float:
+    """05c.1's stand-in for a training step: the loss of rank ``rank``'s own batch at ``step``.
+    Each rank trains on other data, so the ranks' losses differ; which rank's falls faster depends
+    on the ``layout`` (default: the environment's :data:`LAYOUT_ENV`, else "0"), so that a stop
+    that trusts one rank's own loss passes in one layout at most."""
+    layout = layout or os.environ.get(LAYOUT_ENV, "0")
+    return _LAYOUTS[layout][rank] / (step + 1)
+
+
+def mean_loss(step: int, layout: str = "0", world_size: int = 2) -> float:
     """The mean of :func:`batch_loss` over ``world_size`` ranks at ``step``."""
-    return sum(batch_loss(r, step) for r in range(world_size)) / world_size
+    return sum(batch_loss(r, step, layout) for r in range(world_size)) / world_size
 
 
-def early_stop_reference(world_size: int = 2) -> list[tuple[int, float]]:
+def early_stop_reference(layout: str = "0", world_size: int = 2) -> list[tuple[int, float]]:
     """Rank 0's log of 05c.1 done right: ``(step, mean loss over ranks)`` for every step trained,
     up to and including the first at which every rank's own loss is below :data:`THRESHOLD`."""
     log = []
     for step in range(MAX_STEPS):
-        log.append((step, mean_loss(step, world_size)))
-        if max(batch_loss(r, step) for r in range(world_size)) < THRESHOLD:
+        log.append((step, mean_loss(step, layout, world_size)))
+        if max(batch_loss(r, step, layout) for r in range(world_size)) < THRESHOLD:
             break
     return log
 
 
-def early_stop(path: str = "ex05c_early_stop.py") -> None:
-    """05c.1: ``worker(cfg)`` in ``path`` trains at most :data:`MAX_STEPS` steps with the losses of
-    :func:`batch_loss`, stops every rank after the first step at which every rank's own loss is
-    below :data:`THRESHOLD`, and returns ``{"log": [(step, mean)] on rank 0 ([] elsewhere), "steps":
-    the steps trained, summed over ranks}``.
-
-    Runs 2 gloo ranks with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` and a 3-s collective timeout
-    (``cfg.options["timeout_s"]``), stopped after 60 s whatever happens; compares with
-    :func:`early_stop_reference`, computed here.
-    """
-    ex, detail = "05c.1 an early stop that hangs", {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+def _early_stop_run(ex: str, path: str, layout: str):
+    """Run 05c.1's worker on 2 gloo ranks under DETAIL with the losses of ``layout``; a DETAIL
+    error becomes a hint built from its fingerprints."""
+    extra = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", LAYOUT_ENV: layout}
     try:
-        run = run_file(
-            ex, path, "worker", 2, options={"timeout_s": 3}, timeout_s=60, extra_env=detail
+        return run_file(
+            ex, path, "worker", 2, options={"timeout_s": 3}, timeout_s=60, extra_env=extra
         )
     except RankFailed as e:
         seen = _fingerprint(e.hint) or short(e.hint)[:300]
@@ -95,7 +97,11 @@ def early_stop(path: str = "ex05c_early_stop.py") -> None:
             f"DETAIL stopped the job: {seen}. Which line of the worker makes that call, and why "
             "did one rank reach it while the other was still elsewhere?",
         ) from None
-    want = early_stop_reference()
+
+
+def _check_early_stop(ex: str, run, layout: str) -> int:
+    """Compare one run of 05c.1 with :func:`early_stop_reference`; return the last step."""
+    want, where = early_stop_reference(layout), f"with the checker's losses no. {layout}"
     for rank in range(2):
         value = run.values[rank]
         require(
@@ -107,25 +113,25 @@ def early_stop(path: str = "ex05c_early_stop.py") -> None:
     require(run.values[1]["log"] == [], ex, "rank 1 logged: only rank 0 logs (its 'log' is [])")
     require(
         [s for s, _ in log] == list(range(len(log)))
-        and all(close(m, mean_loss(s), 1e-5) for s, m in log),
+        and all(close(m, mean_loss(s, layout), 1e-5) for s, m in log),
         ex,
-        f"rank 0 logged {log}: one (step, mean loss over ranks) per step, from step 0",
+        f"{where}, rank 0 logged {log}: one (step, mean loss over ranks) per step, from step 0",
     )
     require(log, ex, "rank 0 logged nothing: it logs (step, mean) for every step trained")
     last = log[-1][0]
     require(
         len(log) <= len(want),
         ex,
-        f"rank 0 logged up to step {last}, but every rank's own loss was below {THRESHOLD} at an "
-        "earlier step: stop after the first step where they all are, on every rank",
+        f"{where}, rank 0 logged up to step {last}, but every rank's own loss was below "
+        f"{THRESHOLD} at an earlier step: stop after the first step where they all are, on "
+        "every rank",
     )
-    above = {r: batch_loss(r, last) for r in range(2) if batch_loss(r, last) >= THRESHOLD}
     require(
         len(log) == len(want),
         ex,
-        f"the job stopped after step {last}, where rank {min(above, default=0)}'s own loss was "
-        f"{max(above.values(), default=0):.3f}, not below {THRESHOLD}: stop only once every "
-        "rank's own loss is below it, on every rank at the same step",
+        f"{where}, the job stopped after step {last}, where some rank's own loss was not yet "
+        f"below {THRESHOLD}: stop only once every rank's own loss is below it, on every rank at "
+        "the same step",
     )
     steps = [run.values[rank]["steps"] for rank in range(2)]
     require(
@@ -133,10 +139,27 @@ def early_stop(path: str = "ex05c_early_stop.py") -> None:
         ex,
         f"the ranks returned 'steps' {steps}: the steps trained, summed over the ranks",
     )
+    return last
+
+
+def early_stop(path: str = "ex05c_early_stop.py") -> None:
+    """05c.1: ``worker(cfg)`` in ``path`` trains at most :data:`MAX_STEPS` steps with the losses of
+    :func:`batch_loss`, stops every rank after the first step at which every rank's own loss is
+    below :data:`THRESHOLD`, and returns ``{"log": [(step, mean)] on rank 0 ([] elsewhere), "steps":
+    the steps trained, summed over ranks}``.
+
+    Runs it twice on 2 gloo ranks with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` and a 3-s collective
+    timeout (``cfg.options["timeout_s"]``), each run stopped after 60 s whatever happens: with the
+    losses of layout "0" (rank 1's fall slower) and of layout "1" (rank 0's do). Compares each with
+    :func:`early_stop_reference`, computed here.
+    """
+    ex = "05c.1 an early stop that hangs"
+    lasts = [_check_early_stop(ex, _early_stop_run(ex, path, lay), lay) for lay in _LAYOUTS]
     passed(
         ex,
         f"under DETAIL both ranks made the same collectives and stopped together after step "
-        f"{len(want) - 1}, the first at which every rank's own loss was below {THRESHOLD}",
+        f"{lasts[0]} and, with other losses, after step {lasts[1]}: the first at which every "
+        f"rank's own loss was below {THRESHOLD}",
     )
 
 

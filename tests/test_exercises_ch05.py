@@ -4,11 +4,15 @@ holds the value the checker expects."""
 
 from __future__ import annotations
 
+import copy
+import inspect
+import os
 import textwrap
 
 import pytest
 
-from mgtutorial.exercises import ExerciseError, ch05a, ch05b, ch05c
+from mgtutorial.exercises import ExerciseError, RankFailed, ch05a, ch05a_store, ch05b, ch05c
+from mgtutorial.exercises._common import run_file
 
 
 def right_ranks(node_rank, nprocs):
@@ -29,6 +33,92 @@ def test_ranks_of_both_ways_and_the_hint_does_not_give_the_rank(capsys):
     with pytest.raises(ExerciseError, match="your RANK=0 is not the one torchrun sets") as info:
         ch05a.ranks_of(node_zero_only)
     assert "RANK=4" not in str(info.value)  # node 1 of 4+4, local rank 0: torchrun's is 4
+
+
+FIXED = (
+    "torchrun --nnodes 3 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint n005:29400 "
+    "--rdzv-id job-977 -m mgtutorial ddp --epochs 3"
+)
+
+
+def test_fixed_command_both_ways_and_no_hint_gives_the_value(capsys, monkeypatch):
+    """05a.2: torchrun's parser and config_from_args read the learner's line; each thing the broken
+    line gets wrong fails with its own hint, and the kernel's environment is left as it was."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # config_from_args would set it
+    ch05a.fixed_command(FIXED)
+    assert capsys.readouterr().out.startswith("✓ 05a.2 a broken command: torchrun reads 3 nodes")
+    ch05a.fixed_command(FIXED.replace("--nproc-per-node 8", "--nproc-per-node gpu").split())
+    for wrong, hint in [
+        (ch05a.BROKEN, "localhost:29500: on each node that names the node itself"),
+        (FIXED.replace("--nproc-per-node 8", "--nproc-per-node 4"), "--nproc-per-node 4 starts"),
+        (FIXED.replace("n005:29400", "n005:abc"), "c10d rendezvous refuses it"),
+        (FIXED.replace("n005:29400", "n005:99999"), "c10d rendezvous refuses it"),
+        (FIXED.replace("n005:29400", "n005:0"), "port 0 lets the host pick"),
+        (FIXED.replace("--nnodes 3", "--nnodes 1:2:3"), "torchrun refuses these options"),
+        (FIXED.replace("n005", "localhost"), "every node waits at a rendezvous of its own"),
+        (FIXED.replace("n005", "gpu-a17"), "'gpu-a17' is not a node of the allocation"),
+        (FIXED.replace("--nnodes 3", "--nnodes 3 --node-rank 2"), "c10d ignores it"),
+        (FIXED.replace("--rdzv-backend c10d ", ""), "the rendezvous backend is 'static'"),
+        (FIXED.replace("--nnodes 3", "--nnodes 2"), "count the nodes SLURM gave the job"),
+        (FIXED.replace(" --rdzv-id job-977", ""), "give the job an --rdzv-id"),
+        (FIXED.replace("--rdzv-id", "--rdzv-name"), "torchrun has no option --rdzv-name"),
+    ]:
+        with pytest.raises(ExerciseError, match=hint) as info:
+            ch05a.fixed_command(wrong)
+        assert "8 " not in str(info.value) and "n003:" not in str(info.value)
+    assert "OMP_NUM_THREADS" not in os.environ
+
+
+def test_a_localhost_endpoint_is_a_rendezvous_of_its_own_on_every_node():
+    """What 05a.2's statement and hint say of the broken line: torchrun's c10d backend hosts the
+    rendezvous store itself when the endpoint matches its machine, and "localhost" (or any
+    loopback address) matches every machine; every node then waits for the others at its own."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, utils
+
+    assert utils._matches_machine_hostname("localhost")
+    assert utils._matches_machine_hostname("127.0.0.1")
+    src = inspect.getsource(c10d_rendezvous_backend._create_tcp_store)
+    assert "is_host = _matches_machine_hostname(host)" in src
+
+
+STORE_RIGHT = {
+    "default": {"store host": "agent", "same port": True, "key found": True},
+    "disabled": {"store host": "rank 0", "same port": False, "key found": False},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_store_after_restart_both_ways(tmp_path, capsys, monkeypatch, no_leftovers):
+    """05a.4: the two real restarts run once (about a minute); the checker then reads the same
+    records for the right answer and for one wrong answer per question."""
+    records = ch05a_store.run_probes(tmp_path)
+    monkeypatch.setattr(ch05a_store, "run_probes", lambda runs_dir: records)
+    ch05a.store_after_restart(STORE_RIGHT)
+    assert capsys.readouterr().out.startswith("✓ 05a.4 the store after a restart: ")
+    for mode, key, value in [
+        ("disabled", "same port", True),  # as if the handler kept its store info
+        ("disabled", "key found", True),  # as if the store outlived rank 0
+        ("default", "store host", "rank 0"),
+        ("default", "same port", False),
+    ]:
+        wrong = copy.deepcopy(STORE_RIGHT)
+        wrong[mode][key] = value
+        with pytest.raises(ExerciseError, match="1 of your 6 predictions differ") as info:
+            ch05a.store_after_restart(wrong)
+        assert mode not in str(info.value)  # the hint does not say which one
+    wrong = copy.deepcopy(STORE_RIGHT)
+    wrong["disabled"] = dict(STORE_RIGHT["default"])  # "the same as by default"
+    with pytest.raises(ExerciseError, match="3 of your 6 predictions differ"):
+        ch05a.store_after_restart(wrong)
+    with pytest.raises(ExerciseError, match="'key found'\\] is 'True': answer True or False"):
+        ch05a.store_after_restart(
+            {**STORE_RIGHT, "default": {**STORE_RIGHT["default"], "key found": "True"}}
+        )
+    with pytest.raises(ExerciseError, match="answer 'agent' or 'rank 0'"):
+        ch05a.store_after_restart(
+            {**STORE_RIGHT, "default": {**STORE_RIGHT["default"], "store host": "node 0"}}
+        )
 
 
 def right_mapping(slurm, hostnames):
@@ -121,3 +211,81 @@ def test_restore_returning_no_samples_is_named_as_the_cause(tmp_path, no_leftove
     )
     with pytest.raises(ExerciseError, match="restore returned 'samples': 0 for a snapshot of step"):
         ch05b.resume_after_kill(str(zero), runs_dir=str(tmp_path / "runs"))
+
+
+EARLY_STOP = """
+import torch
+import torch.distributed as dist
+
+from mgtutorial.exercises.ch05c import THRESHOLD, batch_loss
+from mgtutorial.runtime import env
+
+
+def worker(cfg):
+    with env.distributed(cfg.backend, timeout_s=cfg.options["timeout_s"]) as ctx:
+        log = []
+        for step in range(10):
+            loss = torch.tensor([batch_loss(ctx.rank, step)], device=ctx.device)
+            mean = loss.clone()
+            dist.all_reduce(mean)
+            mean /= ctx.world_size
+            if ctx.rank == 0:
+                log.append((step, mean.item()))
+            {stop}
+                break
+        summary = torch.tensor([step + 1.0, mean.item()], device=ctx.device)
+        dist.all_reduce(summary)
+        return {{"log": log, "steps": int(summary[0].item())}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_early_stop_both_ways(tmp_path, capsys, no_leftovers):
+    """05c.1: the starter (each rank stops on its own loss) fails with DETAIL's fingerprints, and
+    without DETAIL waits until the collective timeout (as the exercise says); the highest own loss
+    of any rank (all-reduced with MAX) passes with both sets of losses; stops that keep the ranks
+    together on another value (the mean, one rank's own loss broadcast, any rank's flag, a fixed
+    step) fail in at least one of them, and no stop at all fails too."""
+    flag = "flag = (loss < THRESHOLD).float()\n            "
+    files = {}
+    for name, stop in [
+        ("starter", "if loss.item() < THRESHOLD:"),
+        (
+            "right",
+            "worst = loss.clone()\n            dist.all_reduce(worst, op=dist.ReduceOp.MAX)\n"
+            "            if worst.item() < THRESHOLD:",
+        ),
+        ("mean", "if mean.item() < THRESHOLD:"),
+        ("rank0", flag + "dist.broadcast(flag, 0)\n            if flag.item():"),
+        ("rank1", flag + "dist.broadcast(flag, 1)\n            if flag.item():"),
+        ("anyrank", flag + "dist.all_reduce(flag, dist.ReduceOp.MAX)\n            if flag.item():"),
+        ("step5", "if step == 5:"),
+        ("never", "if False:"),
+    ]:
+        files[name] = tmp_path / f"{name}.py"
+        files[name].write_text(textwrap.dedent(EARLY_STOP.format(stop=stop)))
+    ch05c.early_stop(str(files["right"]))
+    assert "after step 5 and, with other losses, after step 3" in capsys.readouterr().out
+    with pytest.raises(
+        ExerciseError,
+        match=r"DETAIL stopped the job: rank \d was calling ALLREDUCE"
+        r" of shape \[\d\] as its collective #3 \(counting from 0\) while its peer called",
+    ) as info:
+        ch05c.early_stop(str(files["starter"]))
+    assert "BARRIER" not in str(info.value)  # both calls are the worker's own all-reduces
+    with pytest.raises(RankFailed, match="Timed out|closed"):  # without DETAIL: the timeout
+        run_file("05c.1", files["starter"], "worker", 2, options={"timeout_s": 3}, timeout_s=60)
+    for name, layout, last in [
+        ("mean", 0, 3),
+        ("rank0", 0, 2),
+        ("anyrank", 0, 2),
+        ("rank1", 1, 1),  # right with the first losses, where rank 1 is the slow one
+    ]:
+        with pytest.raises(
+            ExerciseError, match=f"no. {layout}, the job stopped after step {last},"
+        ):
+            ch05c.early_stop(str(files[name]))
+    for name, layout, last in [("step5", 1, 5), ("never", 0, 9)]:
+        with pytest.raises(ExerciseError, match=f"no. {layout}, rank 0 logged up to step {last},"):
+            ch05c.early_stop(str(files[name]))

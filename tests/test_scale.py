@@ -35,6 +35,8 @@ def test_torchrun_command_forms():
         and static[static.index("--master-addr") + 1] == "head"
     )
     assert static[static.index("--max-restarts") + 1] == "3"
+    other = torchrun.torchrun_command(["out"], module="mgtutorial.exercises.ch05a_store")
+    assert other[-3:] == ["-m", "mgtutorial.exercises.ch05a_store", "out"]
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         torchrun.torchrun_command(["ddp"], nnodes=2)
     with pytest.raises(ValueError, match="node_rank=2"):

@@ -1,16 +1,18 @@
-"""Checkers of chapter 05c's exercises (notebooks/05c_hangs_and_debugging.ipynb): a collective
-only one rank calls, found with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, and what a rank that skips the
-last collective looks like with and without DETAIL.
+"""Checkers of chapter 05c's exercises (notebooks/05c_hangs_and_debugging.ipynb): an early stop
+that hangs the job, diagnosed from ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s error and fixed, and what a
+rank that skips the last collective looks like with and without DETAIL.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 from mgtutorial.exercises._common import (
     ExerciseError,
     RankFailed,
     answered,
+    close,
     passed,
     require,
     run_file,
@@ -22,52 +24,142 @@ from mgtutorial.scale.output import short
 
 
 def _fingerprint(message: str) -> str:
-    """What a DETAIL mismatch error says of the failing rank's own call (the peer's side is garbled:
-    the peer is inside DETAIL's own check by then)."""
+    """What a DETAIL mismatch error says of the failing rank's own call: its operation, sequence
+    number and tensor shape (the peer's side can be garbled: the peer may be inside DETAIL's own
+    check by then)."""
     own = r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),? ?"
-    own += r"OpType=(\w+)"
+    own += r"OpType=(\w+)(?:, TensorShape=(\[[\d, ]*\]))?"
     if not (m := re.search(own, message)):
         return ""
+    shape = f" of shape {m[4]}" if m[4] else ""
+    peer = re.search(
+        r"but Rank (\d+) is running collective: CollectiveFingerPrint\(Sequence"
+        r"Number=(\d+),? ?OpType=(\w+)(?:, TensorShape=(\[[\d, ]*\]))?",
+        message,
+    )
+    theirs = f"{peer[3]}" + (f" of shape {peer[4]}" if peer and peer[4] else "") if peer else ""
+    barrier = "BARRIER" in (m[3], peer and peer[3])
     return (
-        f"rank {m[1]} was calling {m[3]} as its collective #{m[2]} while its peer called another "
-        "one (a BARRIER is env.distributed's, when the worker returns)"
+        f"rank {m[1]} was calling {m[3]}{shape} as its collective #{m[2]} (counting from 0) while "
+        f"its peer called {theirs or 'another one'}"
+        + (" (a BARRIER is env.distributed's, when the worker returns)" if barrier else "")
     )
 
 
-def rank_zero_metric(path: str = "ex05c_metric.py") -> None:
-    """05c.1: ``worker(cfg)`` in ``path`` returns, on rank 0, ``[(step, mean over ranks of
-    rank + step)]`` for steps 0 and 2 of 4, and ``[]`` on the other ranks.
+THRESHOLD = 0.8
+"""05c.1's early stopping: training stops after the first step at which every rank's own loss is
+below this."""
+MAX_STEPS = 10
 
-    Runs 2 ranks with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` and a 3-s collective timeout
-    (``cfg.options["timeout_s"]``); compares with the means computed here.
-    """
-    ex, detail = "05c.1 a metric only rank 0 logs", {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+
+LAYOUT_ENV = "MGTUTORIAL_05C_LOSSES"
+"""The variable that picks the losses of :func:`batch_loss` in the ranks ("0" unless set)."""
+_LAYOUTS = {"0": (1.8, 4.2), "1": (3.0, 1.2)}  # each rank's loss at step 0; then / (step + 1)
+
+
+def batch_loss(rank: int, step: int, layout: str | None = None) -> float:
+    """05c.1's stand-in for a training step: the loss of rank ``rank``'s own batch at ``step``.
+    Each rank trains on other data, so the ranks' losses differ; which rank's falls faster depends
+    on the ``layout`` (default: the environment's :data:`LAYOUT_ENV`, else "0"), so that a stop
+    that trusts one rank's own loss passes in one layout at most."""
+    layout = layout or os.environ.get(LAYOUT_ENV, "0")
+    return _LAYOUTS[layout][rank] / (step + 1)
+
+
+def mean_loss(step: int, layout: str = "0", world_size: int = 2) -> float:
+    """The mean of :func:`batch_loss` over ``world_size`` ranks at ``step``."""
+    return sum(batch_loss(r, step, layout) for r in range(world_size)) / world_size
+
+
+def early_stop_reference(layout: str = "0", world_size: int = 2) -> list[tuple[int, float]]:
+    """Rank 0's log of 05c.1 done right: ``(step, mean loss over ranks)`` for every step trained,
+    up to and including the first at which every rank's own loss is below :data:`THRESHOLD`."""
+    log = []
+    for step in range(MAX_STEPS):
+        log.append((step, mean_loss(step, layout, world_size)))
+        if max(batch_loss(r, step, layout) for r in range(world_size)) < THRESHOLD:
+            break
+    return log
+
+
+def _early_stop_run(ex: str, path: str, layout: str):
+    """Run 05c.1's worker on 2 gloo ranks under DETAIL with the losses of ``layout``; a DETAIL
+    error becomes a hint built from its fingerprints."""
+    extra = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", LAYOUT_ENV: layout}
     try:
-        run = run_file(
-            ex, path, "worker", 2, options={"timeout_s": 3}, timeout_s=60, extra_env=detail
+        return run_file(
+            ex, path, "worker", 2, options={"timeout_s": 3}, timeout_s=60, extra_env=extra
         )
     except RankFailed as e:
         seen = _fingerprint(e.hint) or short(e.hint)[:300]
         raise ExerciseError(
             ex,
-            f"DETAIL stopped the job: {seen}. Every rank must call the same "
-            "collectives in the same order: which ones does rank 1 make in your loop?",
+            f"DETAIL stopped the job: {seen}. Which line of the worker makes that call, and why "
+            "did one rank reach it while the other was still elsewhere?",
         ) from None
-    values, want = run.values, [[step, (0 + step + 1 + step) / 2] for step in (0, 2)]
-    got = [[int(s), float(m)] for s, m in values[0]] if isinstance(values[0], list) else values[0]
+
+
+def _check_early_stop(ex: str, run, layout: str) -> int:
+    """Compare one run of 05c.1 with :func:`early_stop_reference`; return the last step."""
+    want, where = early_stop_reference(layout), f"with the checker's losses no. {layout}"
+    for rank in range(2):
+        value = run.values[rank]
+        require(
+            isinstance(value, dict) and {"log", "steps"} <= set(value),
+            ex,
+            f"rank {rank} returned {value!r}: return a dict with 'log' and 'steps'",
+        )
+    log = [(int(s), float(m)) for s, m in run.values[0]["log"]]
+    require(run.values[1]["log"] == [], ex, "rank 1 logged: only rank 0 logs (its 'log' is [])")
     require(
-        got == want,
+        [s for s, _ in log] == list(range(len(log)))
+        and all(close(m, mean_loss(s, layout), 1e-5) for s, m in log),
         ex,
-        f"rank 0 returned {values[0]!r}: it logs (step, mean) at steps 0 and 2, and the mean is "
-        "the all-reduced sum divided by the world size",
+        f"{where}, rank 0 logged {log}: one (step, mean loss over ranks) per step, from step 0",
+    )
+    require(log, ex, "rank 0 logged nothing: it logs (step, mean) for every step trained")
+    last = log[-1][0]
+    require(
+        len(log) <= len(want),
+        ex,
+        f"{where}, rank 0 logged up to step {last}, but every rank's own loss was below "
+        f"{THRESHOLD} at an earlier step: stop after the first step where they all are, on "
+        "every rank",
     )
     require(
-        values[1] == [],
+        len(log) == len(want),
         ex,
-        f"rank 1 returned {values[1]!r}: only rank 0 logs (returns [] elsewhere)",
+        f"{where}, the job stopped after step {last}, where some rank's own loss was not yet "
+        f"below {THRESHOLD}: stop only once every rank's own loss is below it, on every rank at "
+        "the same step",
     )
+    steps = [run.values[rank]["steps"] for rank in range(2)]
+    require(
+        steps == [2 * len(want)] * 2,
+        ex,
+        f"the ranks returned 'steps' {steps}: the steps trained, summed over the ranks",
+    )
+    return last
+
+
+def early_stop(path: str = "ex05c_early_stop.py") -> None:
+    """05c.1: ``worker(cfg)`` in ``path`` trains at most :data:`MAX_STEPS` steps with the losses of
+    :func:`batch_loss`, stops every rank after the first step at which every rank's own loss is
+    below :data:`THRESHOLD`, and returns ``{"log": [(step, mean)] on rank 0 ([] elsewhere), "steps":
+    the steps trained, summed over ranks}``.
+
+    Runs it twice on 2 gloo ranks with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` and a 3-s collective
+    timeout (``cfg.options["timeout_s"]``), each run stopped after 60 s whatever happens: with the
+    losses of layout "0" (rank 1's fall slower) and of layout "1" (rank 0's do). Compares each with
+    :func:`early_stop_reference`, computed here.
+    """
+    ex = "05c.1 an early stop that hangs"
+    lasts = [_check_early_stop(ex, _early_stop_run(ex, path, lay), lay) for lay in _LAYOUTS]
     passed(
-        ex, "under DETAIL both ranks made the same all-reduces; rank 0 logged the means 0.5 and 2.5"
+        ex,
+        f"under DETAIL both ranks made the same collectives and stopped together after step "
+        f"{lasts[0]} and, with other losses, after step {lasts[1]}: the first at which every "
+        f"rank's own loss was below {THRESHOLD}",
     )
 
 

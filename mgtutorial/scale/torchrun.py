@@ -47,8 +47,10 @@ def torchrun_command(
     run_id: str | None = None,
     max_restarts: int = 0,
     rdzv_conf: str | None = None,
+    module: str = "mgtutorial",
 ) -> list[str]:
-    """The torchrun command line that runs ``python -m mgtutorial <module_args>`` on one node.
+    """The torchrun command line that runs ``python -m <module> <module_args>`` on one node
+    (``module``: ``mgtutorial`` unless given).
 
     * One node, no endpoint: ``--standalone`` (torchrun picks a free port itself).
     * Several nodes, dynamic (the default): a c10d rendezvous at ``rdzv_endpoint`` (``host:port``
@@ -80,7 +82,7 @@ def torchrun_command(
         cmd += ["--master-addr", host, "--master-port", port]
     if max_restarts:
         cmd += ["--max-restarts", str(max_restarts)]
-    return cmd + ["-m", "mgtutorial", *module_args]
+    return cmd + ["-m", module, *module_args]
 
 
 def agent_env() -> dict[str, str]:
@@ -178,8 +180,8 @@ def simulated_nodes(
 ) -> Agents:
     """Start ``nnodes`` torchrun agents on this machine as if each were a node: node ranks
     0 … nnodes − 1, one c10d rendezvous (``--rdzv-id run_id``, default a fresh one) on 127.0.0.1 at
-    a free port; ``kwargs`` as :func:`torchrun_command`'s (``max_restarts``). Returns the running
-    :class:`Agents`.
+    a free port; ``kwargs`` as :func:`torchrun_command`'s (``max_restarts``, ``module``). Returns
+    the running :class:`Agents`.
 
     Every simulated node's ranks have local ranks 0, 1, …, so on a GPU machine they would all pick
     ``cuda:0``, which NCCL refuses: pass ``--backend gloo`` in ``module_args`` there."""

@@ -1,5 +1,6 @@
-"""Exercise 04b.3's checker (the 1F1B order): the solution passes, each classic wrong answer gets
-its own hint, and no hint prints the expected order; the simulator it lays orders out with."""
+"""Chapter 04's checkers: the solution passes, each classic wrong answer gets its own hint, and no
+hint prints the expected answer; the simulator they lay orders out with, and the order torch's own
+schedules run, recorded without ranks (04b.3's reference)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from mgtutorial.exercises import ExerciseError, ch04
 from mgtutorial.exercises.ch04_order import held_at_peak
-from mgtutorial.pipeline import bubble
+from mgtutorial.pipeline import bubble, library_order
 
 
 def one_f_one_b(warmup_delta=0, alternate=True):
@@ -45,6 +46,16 @@ def gpipe(stage, p, m):
     return [("forward", i) for i in range(m)] + [("backward", i) for i in range(m)]
 
 
+def uncapped(stage, p, m):
+    """The lesson's p − s warm-up forwards, not capped at m: wrong when m < p."""
+    boxes = [("forward", i) for i in range(p - stage)]
+    for i in range(m):
+        boxes.append(("backward", i))
+        if p - stage + i < m:
+            boxes.append(("forward", p - stage + i))
+    return boxes
+
+
 @pytest.mark.parametrize("solution", [one_f_one_b(), textbook], ids=["alternating", "textbook"])
 def test_1f1b_order_solution_passes(solution, capsys):
     ch04.one_f_one_b(solution)
@@ -64,8 +75,24 @@ def test_1f1b_order_solution_passes(solution, capsys):
         (one_f_one_b(alternate=False), "alternates one backward and one forward"),
         (lambda s, p, m: [("forward", 0)], "once"),
         (lambda s, p, m: ..., "not written yet"),
+        (uncapped, r"order\(stage=0, p=4, m=2\) must hold .* m < p: how many forwards"),
+        (  # right while m ≥ p, GPipe's order when m < p: stage 3 of 4 still alternates at m = 2
+            lambda s, p, m: gpipe(s, p, m) if m < p else one_f_one_b()(s, p, m),
+            r"p=4, m=2, stage 3: your box 1 \(counting from 0\), \('forward', 1\), is not .*"
+            "GPipe's order",
+        ),
     ],
-    ids=["gpipe", "warm-up-1", "warm-up+1", "short-not-last", "no-alternation", "missing", "..."],
+    ids=[
+        "gpipe",
+        "warm-up-1",
+        "warm-up+1",
+        "short-not-last",
+        "no-alternation",
+        "missing",
+        "...",
+        "uncapped-m<p",
+        "gpipe-when-m<p",
+    ],
 )
 def test_1f1b_order_wrong_answers_get_their_hint_without_the_answer(answer, hint):
     with pytest.raises(ExerciseError, match=hint) as err:
@@ -73,6 +100,53 @@ def test_1f1b_order_wrong_answers_get_their_hint_without_the_answer(answer, hint
     text = str(err.value)
     assert "[('forward'" not in text and "[('backward'" not in text  # no order printed
     assert "p − s" not in text and "p - s" not in text
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_recorded_order_is_what_torchs_loop_runs_and_box_order(schedule):
+    for p in range(1, 7):
+        for m in range(1, 11):
+            for s in range(p):
+                got = library_order.recorded_order(schedule, s, p, m)
+                assert got == bubble.box_order(schedule, s, p, m), (p, m, s)
+    # m < p: 1F1B's warm-up is capped at m, so the first p − m stages run GPipe's order
+    p, m = 5, 2
+    same = [library_order.recorded_order("1f1b", s, p, m) == gpipe(s, p, m) for s in range(p)]
+    assert same == [True, True, True, True, False]
+
+
+def test_recorded_order_refuses_bad_input_and_torch_refuses_m_below_p():
+    with pytest.raises(ValueError, match="schedule='zb'"):
+        library_order.recorded_order("zb", 0, 2, 4)
+    with pytest.raises(ValueError, match="stage=2, num_stages=2"):
+        library_order.recorded_order("1f1b", 2, 2, 4)
+    with pytest.raises(ValueError, match=r"Number of microbatches \(1\) must be greater"):
+        library_order.Schedule1F1B(_mock_stage(2), 1)  # the library's own check
+
+
+def _mock_stage(p):
+    from unittest import mock
+
+    from torch.distributed.pipelining import PipelineStage
+
+    st = mock.create_autospec(PipelineStage, instance=True)
+    st.num_stages, st.stage_index = p, 0
+    return st
+
+
+def test_schedule_1f1b_pipeline_order_is_not_its_loop_in_torch_2_14():
+    """Why recorded_order runs the loop: the plan ``pipeline_order`` (what torch's visualiser
+    draws) numbers the last stage's forwards from 1, and its warm-up ignores m < p."""
+    plan = library_order.Schedule1F1B(_mock_stage(3), 5).pipeline_order
+    last = [a.microbatch_index for a in plan[2] if a is not None and a.computation_type == "F"]
+    assert last == [1, 2, 3, 4, 5]  # the loop runs forwards 0 … 4
+    assert [i for e, i in library_order.recorded_order("1f1b", 2, 3, 5) if e == "forward"] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
 
 
 def test_lay_out_is_the_ideal_step_and_refuses_a_deadlock():

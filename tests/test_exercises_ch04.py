@@ -159,47 +159,120 @@ def test_lay_out_is_the_ideal_step_and_refuses_a_deadlock():
         bubble.lay_out([[("forward", 0), ("backward", 0)], [("backward", 0), ("forward", 0)]])
 
 
-BUBBLE_RIGHT = {(4, 8): 3 / 11, (8, 16): 7 / 23}
-SLOW_RIGHT = {"span": 30, "bubble": 1 - 48 / 90}
+# --- 04a.1: the bubble, derived ------------------------------------------------------------------
 
 
-def test_bubble_solution_passes_and_wrong_answers_get_their_hint(capsys):
-    ch04.bubble(BUBBLE_RIGHT, SLOW_RIGHT, 27)
-    assert capsys.readouterr().out.startswith("✓ 04a.1 bubble formula:")
-    relative = {(p, m): (p - 1) / m for p, m in BUBBLE_RIGHT}
-    with pytest.raises(ExerciseError, match="relative to the compute time"):
-        ch04.bubble(relative, SLOW_RIGHT, 27)
-    cases = [
-        ({"span": 18, "bubble": 1 / 3}, "the balanced pipeline's"),  # the formula's step
-        ({"span": 30, "bubble": 1 / 3}, "assumes equal stages"),
-        ({"span": 30, "bubble": 1 - 36 / 90}, "sum each stage's own busy time"),
-        ({"span": 26, "bubble": 0.5}, "lay the boxes out one by one"),
-        ({"span": 30}, "keys 'span'"),
-    ]
-    for slow, hint in cases:
-        with pytest.raises(ExerciseError, match=hint) as err:
-            ch04.bubble(BUBBLE_RIGHT, slow, 27)
-        msg = str(err.value)  # the expected span and bubble are never printed
-        assert (slow.get("span") == 30 or "30" not in msg) and "0.467" not in msg
-    with pytest.raises(ExerciseError, match="a smaller m"):
-        ch04.bubble(BUBBLE_RIGHT, SLOW_RIGHT, 28)
+def gpipe_step(times, m):
+    """The span: every stage once at its own speed, and m − 1 slots of the slowest, both ways."""
+    span = 3 * (sum(times) + (m - 1) * max(times))
+    return span, 1 - m * 3 * sum(times) / (len(times) * span)
 
 
-def test_bubble_slow_stage_is_what_lay_out_gives_for_gpipe_and_1f1b():
-    p, m, scale = ch04.SLOW
+def smallest_m(p, o, target):
+    """bubble = 1 − 3m / ((m + p − 1)(3 + 2o) − o), solved for m; None below the floor."""
+    coef = 3 - (1 - target) * (3 + 2 * o)
+    if coef <= 0:  # the bubble tends to 2o / (3 + 2o) from above: the target is not reached
+        return None
+    return max(1, math.ceil((1 - target) * ((p - 1) * (3 + 2 * o) - o) / coef - 1e-9))
+
+
+def by_search(p, o, target):
+    """The simulator's answer, searched (up to m = 500), not derived."""
+    for m in range(1, 501):
+        evs = bubble.lay_out([bubble.box_order("gpipe", s, p, m) for s in range(p)], delay_s=o)
+        if bubble.bubble_measured(evs) <= target + 1e-12:
+            return m
+    return None
+
+
+@pytest.mark.parametrize("solution", [smallest_m, by_search], ids=["closed-form", "search"])
+def test_bubble_solution_passes(solution, capsys):
+    ch04.bubble(gpipe_step, solution)
+    assert capsys.readouterr().out.startswith("✓ 04a.1 the bubble, derived:")
+
+
+def test_the_span_of_unequal_stages_is_what_lay_out_gives():
+    for times in ([1, 1, 2], [2, 1, 1], [3, 1, 2], [1, 3, 1, 1], [2, 2], [5]):
+        for m in (1, 2, 4, 7):
+            p = len(times)
+            evs = bubble.lay_out(
+                [bubble.box_order("gpipe", s, p, m) for s in range(p)], scale=times
+            )
+            span, idle = gpipe_step(times, m)
+            assert max(e["end"] for e in evs) == span
+            assert bubble.bubble_measured(evs) == pytest.approx(idle)
+
+
+def test_lay_out_with_a_delay_is_the_model_and_box_delays_measures_it():
     for schedule in ("gpipe", "1f1b"):
-        evs = bubble.lay_out([bubble.box_order(schedule, s, p, m) for s in range(p)], scale=scale)
-        assert max(e["end"] for e in evs) == 30
-        assert bubble.bubble_measured(evs) == pytest.approx(SLOW_RIGHT["bubble"])
-    balanced = bubble.lay_out([bubble.box_order("gpipe", s, p, m) for s in range(p)], scale=[1] * 3)
-    assert balanced == bubble.ideal_events("gpipe", p, m)
+        for p, m, o in ((2, 1, 0.25), (4, 8, 0.5), (3, 5, 0.1), (4, 2, 0.5)):
+            orders = [bubble.box_order(schedule, s, p, m) for s in range(p)]
+            evs = bubble.lay_out(orders, delay_s=o)
+            assert bubble.box_delays(evs) == pytest.approx([o] * (2 * p * m - 1))
+            assert bubble.bubble_measured(evs) == pytest.approx(bubble.bubble_model(p, m, 1, 2, o))
+            assert max(e["end"] for e in evs) == pytest.approx(bubble.step_span(p, m, 1, 2, o))
 
 
-def test_bubble_rounded_answer_gets_the_precision_hint_not_the_concept_one():
-    rounded = {(4, 8): 0.27, (8, 16): 0.30}
-    with pytest.raises(ExerciseError, match="close but not exact") as err:
-        ch04.bubble(rounded, SLOW_RIGHT, 4)
-    assert "0.2727" not in str(err.value) and "3 / 11" not in str(err.value)
+def _step_with(span=None, idle=None):
+    def answer(times, m):
+        right = gpipe_step(times, m)
+        p = len(times)
+        return (
+            right[0] if span is None else span(times, m, p),
+            right[1] if idle is None else idle(times, m, p, right[0]),
+        )
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    "step, hint",
+    [
+        (_step_with(span=lambda t, m, p: (m + p - 1) * 3 * sum(t) / p), "a balanced pipeline's"),
+        (_step_with(span=lambda t, m, p: (m + p - 1) * 3 * max(t)), "the slowest stage's"),
+        (_step_with(span=lambda t, m, p: 3 * m * sum(t)), "lay the boxes out"),
+        (_step_with(idle=lambda t, m, p, span: (p - 1) / (m + p - 1)), "assumes equal stages"),
+        (_step_with(idle=lambda t, m, p, span: 1 - 3 * m * max(t) / span), "its own boxes only"),
+        (lambda t, m: gpipe_step(t, m)[0], "return \\(span in units, bubble"),
+    ],
+    ids=["balanced-span", "slowest-slots", "no-fill-drain", "formula-bubble", "max-busy", "one"],
+)
+def test_bubble_wrong_step_fails_with_its_hint(step, hint):
+    with pytest.raises(ExerciseError, match=hint) as err:
+        ch04.bubble(step, smallest_m)
+    assert "3 + 2o" not in str(err.value) and "sum(" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (lambda p, o, t: smallest_m(p, 0.0, t), "ignores the delay"),
+        (lambda p, o, t: smallest_m(p, o, t) or 1000, "no m reaches it"),
+        (lambda p, o, t: None, "some m reaches"),
+        (lambda p, o, t: smallest_m(p, o, t) and smallest_m(p, o, t) + 1, "but so does m="),
+        (lambda p, o, t: smallest_m(p, o, t) and smallest_m(p, o, t) - 1, "more micro-batches"),
+        (lambda p, o, t: smallest_m(p, o, t) and float(smallest_m(p, o, t)), "whole number"),
+        (  # right until the target equals the floor: the bubble only tends to it
+            lambda p, o, t: (
+                smallest_m(p, o, t) or (10_000 if math.isclose(t, 2 * o / (3 + 2 * o)) else None)
+            ),
+            "no m reaches it",
+        ),
+    ],
+    ids=[
+        "no-delay",
+        "none-unreachable",
+        "always-none",
+        "one-too-many",
+        "one-too-few",
+        "float",
+        "floor-reached",
+    ],
+)
+def test_bubble_wrong_smallest_m_fails_with_its_hint(answer, hint):
+    with pytest.raises(ExerciseError, match=hint) as err:
+        ch04.bubble(gpipe_step, answer)
+    assert "2o / (3 + 2o)" not in str(err.value)
 
 
 # --- 04a.2: loss weighting with padding ---------------------------------------------------------

@@ -4,12 +4,14 @@ schedules run, recorded without ranks (04b.3's reference)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 from torch import nn
 
+from mgtutorial.common import models
 from mgtutorial.exercises import ExerciseError, ch04
 from mgtutorial.exercises.ch04_order import held_at_peak
 from mgtutorial.pipeline import bubble, library_order
@@ -320,6 +322,43 @@ def test_loss_weighting_wrong_answers_fail_with_their_hint(answer, hint):
     with pytest.raises(ExerciseError, match=hint) as err:
         ch04.loss_weighting(answer)
     assert "reduction" not in str(err.value) and "sum" not in str(err.value)
+
+
+# --- 04b.1: a balanced split -------------------------------------------------------------------
+
+
+def split_balanced(mlp, k, cut_points=None):
+    counts = [models.count_parameters(sub) for sub in mlp.subnets]
+    n = len(counts)
+
+    def largest(cuts):
+        return max(sum(counts[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
+
+    cuts = min(itertools.combinations(cut_points or range(1, n), k - 1), key=largest)
+    return [nn.Sequential(*mlp.subnets[a:b]) for a, b in zip((0, *cuts), (*cuts, n))]
+
+
+def test_balanced_split_solution_passes(capsys):
+    ch04.balanced_split(split_balanced)
+    assert capsys.readouterr().out.startswith("✓ 04b.1 balanced split: 8 splits")
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (lambda mlp, k: mlp.split(k), "a smaller largest stage exists"),
+        # never cuts before the last sub-network: no split at all when k is the sub-network count
+        (lambda mlp, k: split_balanced(mlp, k, range(1, len(mlp.subnets) - 1)), "min\\(\\)"),
+        (  # at least two stages: wrong only for k = 1
+            lambda mlp, k: split_balanced(mlp, max(k, 2)),
+            r"ArticleMLP\(\(64, 256, 256, 64, 32, 10\)\), 1\) returned list of 2 items",
+        ),
+    ],
+    ids=["by-number", "no-last-cut", "k=1-gives-two"],
+)
+def test_balanced_split_wrong_answers_fail(answer, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch04.balanced_split(answer)
 
 
 # --- 04b.2: choosing m --------------------------------------------------------------------------

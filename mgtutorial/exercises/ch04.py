@@ -177,26 +177,36 @@ def balanced_split(split_fn) -> None:
     (an :class:`~mgtutorial.common.models.ArticleMLP`) with the largest stage's parameter count as
     small as possible.
 
-    Verified on the article's MLP (k = 2, 3), on a 5-block MLP (k = 2, 3, 4), and on one (k = 3)
+    Verified on the article's MLP (k = 2, 3), on a 5-block MLP (k = 1 … 5), and on one (k = 3)
     where the smallest spread (largest − smallest) is not the smallest largest stage: k stages,
     each with parameters, that share the model's parameters (no copies), whose counts add up to the
     model's, whose forward one after the other equals the unsplit model's, and whose largest stage
     is the smallest possible (:func:`~mgtutorial.exercises.splits.check_split`).
     """
     ex = "04b.1 balanced split"
-    for sizes, k in (
-        ((1024, 512, 256, 100), 2),
-        ((1024, 512, 256, 100), 3),
-        ((64, 256, 256, 64, 32, 10), 2),
-        ((64, 256, 256, 64, 32, 10), 3),
-        ((64, 256, 256, 64, 32, 10), 4),
-        ((16, 16, 64, 128, 32, 128), 3),
-    ):
+    for sizes, k in SPLIT_CASES:
         torch.manual_seed(0)
         mlp = models.ArticleMLP(sizes)
         stages = attempt(ex, split_fn, mlp, k)
         check_split(ex, f"split_fn(ArticleMLP({sizes}), {k})", mlp, stages, k)
-    passed(ex, "6 splits have the model's parameters, its output and the smallest largest stage")
+    passed(
+        ex,
+        f"{len(SPLIT_CASES)} splits (one stage, and one sub-network per stage, among them) have "
+        "the model's parameters, its output and the smallest largest stage",
+    )
+
+
+SPLIT_CASES = (
+    ((1024, 512, 256, 100), 2),
+    ((1024, 512, 256, 100), 3),
+    ((64, 256, 256, 64, 32, 10), 2),
+    ((64, 256, 256, 64, 32, 10), 3),
+    ((64, 256, 256, 64, 32, 10), 4),
+    ((16, 16, 64, 128, 32, 128), 3),
+    ((64, 256, 256, 64, 32, 10), 5),  # as many stages as sub-networks: one each
+    ((64, 256, 256, 64, 32, 10), 1),  # one stage: the whole model
+)
+"""04b.1's (layer widths, k stages)."""
 
 
 IGNORE = -100

@@ -106,9 +106,10 @@ class PipelineConfig(Config):
             )
         if self.schedule == "1f1b" and m < nprocs:
             raise ValueError(
-                f"1F1B needs n_microbatches ≥ stages: {m} < {nprocs}. Schedule1F1B refuses it too "
-                "(its warm-up fills every stage with a micro-batch): use n_microbatches ≥ "
-                f"{nprocs}, or schedule='gpipe'."
+                f"1F1B needs n_microbatches ≥ stages: {m} < {nprocs}. torch's Schedule1F1B "
+                "refuses it when it is built (its step loop would run it, the first stages in "
+                f"GPipe's order: exercise 04b.3): use n_microbatches ≥ {nprocs}, or "
+                "schedule='gpipe'."
             )
         if self.schedule == "interleaved":
             check_interleaved_microbatches(m, nprocs)

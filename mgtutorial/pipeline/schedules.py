@@ -107,9 +107,8 @@ class PipelineConfig(Config):
         if self.schedule == "1f1b" and m < nprocs:
             raise ValueError(
                 f"1F1B needs n_microbatches ≥ stages: {m} < {nprocs}. torch's Schedule1F1B "
-                "refuses it when it is built (its step loop would run it, the first stages in "
-                f"GPipe's order: exercise 04b.3): use n_microbatches ≥ {nprocs}, or "
-                "schedule='gpipe'."
+                "refuses it when it is built, though its step loop could run it (exercise "
+                f"04b.3): use n_microbatches ≥ {nprocs}, or schedule='gpipe'."
             )
         if self.schedule == "interleaved":
             check_interleaved_microbatches(m, nprocs)

@@ -234,10 +234,19 @@ def _step_with(span=None, idle=None):
         (_step_with(span=lambda t, m, p: (m + p - 1) * 3 * max(t)), "the slowest stage's"),
         (_step_with(span=lambda t, m, p: 3 * m * sum(t)), "lay the boxes out"),
         (_step_with(idle=lambda t, m, p, span: (p - 1) / (m + p - 1)), "assumes equal stages"),
+        (_step_with(idle=lambda t, m, p, span: round(1 - m * sum(t) / span * 3 / p, 2)), "rounded"),
         (_step_with(idle=lambda t, m, p, span: 1 - 3 * m * max(t) / span), "its own boxes only"),
         (lambda t, m: gpipe_step(t, m)[0], "return \\(span in units, bubble"),
     ],
-    ids=["balanced-span", "slowest-slots", "no-fill-drain", "formula-bubble", "max-busy", "one"],
+    ids=[
+        "balanced-span",
+        "slowest-slots",
+        "no-fill-drain",
+        "formula-bubble",
+        "rounded",
+        "max-busy",
+        "one",
+    ],
 )
 def test_bubble_wrong_step_fails_with_its_hint(step, hint):
     with pytest.raises(ExerciseError, match=hint) as err:

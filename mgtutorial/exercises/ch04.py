@@ -110,7 +110,9 @@ def bubble(gpipe_step, smallest_m) -> None:
             ex,
             f"{call}: the bubble {got_idle!r} is not the idle fraction of that step: "
             + (
-                "that is the formula's, which assumes equal stages"
+                "close but not exact: give the fraction itself, not a rounded value"
+                if close(got_idle, idle, abs_=0.01)
+                else "that is the formula's, which assumes equal stages"
                 if close(got_idle, bubble_formula(p, m), rel=1e-6)
                 else "each stage is busy for its own boxes only: sum them over the stages and "
                 "divide by stages × span"

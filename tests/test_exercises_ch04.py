@@ -64,6 +64,16 @@ def test_1f1b_order_solution_passes(solution, capsys):
     assert capsys.readouterr().out.startswith("✓ 04b.3 the 1F1B order:")
 
 
+def test_1f1b_order_refuses_the_reference_in_place_of_an_order():
+    for copy in (
+        lambda s, p, m: bubble.box_order("1f1b", s, p, m),
+        lambda s, p, m: library_order.recorded_order("1f1b", s, p, m),
+    ):
+        with pytest.raises(ExerciseError, match=r"\w+\.\w+ is withheld .*: build the order"):
+            ch04.one_f_one_b(copy)
+    assert bubble.box_order("1f1b", 0, 2, 2) == library_order.recorded_order("1f1b", 0, 2, 2)
+
+
 @pytest.mark.parametrize(
     "answer, hint",
     [
@@ -187,10 +197,46 @@ def by_search(p, o, target):
     return None
 
 
-@pytest.mark.parametrize("solution", [smallest_m, by_search], ids=["closed-form", "search"])
-def test_bubble_solution_passes(solution, capsys):
-    ch04.bubble(gpipe_step, solution)
+def test_bubble_solution_passes(capsys):
+    ch04.bubble(gpipe_step, smallest_m)
     assert capsys.readouterr().out.startswith("✓ 04a.1 the bubble, derived:")
+
+
+def copied_step(times, m):
+    """The checker's own reference, copied: the simulator's step."""
+    p = len(times)
+    evs = bubble.lay_out([bubble.box_order("gpipe", s, p, m) for s in range(p)], scale=times)
+    return max(e["end"] for e in evs), bubble.bubble_measured(evs)
+
+
+def by_model(p, o, target):
+    """A search on the course's delay model instead of a derivation."""
+    return next(
+        (m for m in range(1, 100_000) if bubble.bubble_model(p, m, 1, 2, o) <= target), None
+    )
+
+
+@pytest.mark.parametrize(
+    "step, smallest",
+    [(copied_step, smallest_m), (gpipe_step, by_search), (gpipe_step, by_model)],
+    ids=["step-by-lay-out", "m-by-lay-out", "m-by-bubble-model"],
+)
+def test_bubble_refuses_the_simulator_in_place_of_a_derivation(step, smallest):
+    with pytest.raises(ExerciseError, match=r"bubble\.\w+ is withheld .*: derive"):
+        ch04.bubble(step, smallest)
+    # and the simulator works again afterwards
+    assert bubble.bubble_measured(bubble.ideal_events("gpipe", 2, 2)) == pytest.approx(1 / 3)
+
+
+def test_bubble_a_capped_search_misses_the_target_just_above_the_floor():
+    def capped(p, o, target):  # the derived bubble, searched up to m = 1000 only
+        for m in range(1, 1001):
+            if 1 - 3 * m / ((m + p - 1) * (3 + 2 * o) - o) <= target:
+                return m
+        return None
+
+    with pytest.raises(ExerciseError, match=r"target=0\.2505\) returned None, but some m"):
+        ch04.bubble(gpipe_step, capped)
 
 
 def test_the_span_of_unequal_stages_is_what_lay_out_gives():
@@ -258,6 +304,7 @@ def test_bubble_wrong_step_fails_with_its_hint(step, hint):
     "answer, hint",
     [
         (lambda p, o, t: smallest_m(p, 0.0, t), "ignores the delay"),
+        (lambda p, o, t: math.ceil((p - 1) * (1 - t) / t), "ignores the delay"),  # the starter
         (lambda p, o, t: smallest_m(p, o, t) or 1000, "no m reaches it"),
         (lambda p, o, t: None, "some m reaches"),
         (lambda p, o, t: smallest_m(p, o, t) and smallest_m(p, o, t) + 1, "but so does m="),
@@ -272,6 +319,7 @@ def test_bubble_wrong_step_fails_with_its_hint(step, hint):
     ],
     ids=[
         "no-delay",
+        "starter",
         "none-unreachable",
         "always-none",
         "one-too-many",

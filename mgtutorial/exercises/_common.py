@@ -16,6 +16,7 @@ Taught in: every chapter's "Exercises" section (notebooks/*.ipynb); the editions
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import sys
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
+from unittest import mock
 
 from mgtutorial.common.config import Config
 from mgtutorial.runtime.env import BackendChoice
@@ -103,6 +105,28 @@ def attempt(exercise: str, fn: Callable, *args, **kwargs) -> Any:
     if out is ...:
         raise ExerciseError(exercise, f"`{name}` returned `...`: its body is not written yet")
     return out
+
+
+@contextlib.contextmanager
+def withheld(exercise: str, module: ModuleType, names: tuple[str, ...], why: str):
+    """While the block runs (the learner's function, called by a checker), each ``module.name``
+    of ``names`` raises :class:`ExerciseError` saying it is withheld and ``why``: a function that
+    computes the answer (the simulator, the reference order) cannot stand in for a derivation.
+    The checker's own references, imported by name before, are untouched."""
+    short = module.__name__.rsplit(".", 1)[-1]
+
+    def refuse(name):
+        def refused(*args, **kwargs):
+            raise ExerciseError(
+                exercise, f"{short}.{name} is withheld while the checker runs your function: {why}"
+            )
+
+        return refused
+
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(mock.patch.object(module, name, refuse(name)))
+        yield
 
 
 def import_file(path: str | Path, exercise: str = "exercise") -> ModuleType:

@@ -93,6 +93,13 @@ def one_f_one_b(order_fn) -> None:
             f"p={p}, m={m}: torch's Schedule1F1B no longer runs bubble.box_order's order: the "
             "checker is broken",
         )
+        laid_out = bubble_measured(lay_out(right))
+        require(
+            abs(laid_out - bubble_formula(p, m)) < 1e-9,
+            ex,
+            f"p={p}, m={m}: 1F1B laid out leaves {laid_out}, not the formula's bubble: the "
+            "checker is broken",
+        )
         if orders == right:
             continue
         wrong = next(s for s in range(p) if orders[s] != right[s])

@@ -15,6 +15,7 @@ from mgtutorial.common import models
 from mgtutorial.exercises import ExerciseError, ch04
 from mgtutorial.exercises.ch04_order import held_at_peak
 from mgtutorial.pipeline import bubble, library_order
+from mgtutorial.pipeline.bubble import box_order
 
 
 def one_f_one_b(warmup_delta=0, alternate=True):
@@ -68,10 +69,12 @@ def test_1f1b_order_refuses_the_reference_in_place_of_an_order():
     for copy in (
         lambda s, p, m: bubble.box_order("1f1b", s, p, m),
         lambda s, p, m: library_order.recorded_order("1f1b", s, p, m),
+        lambda s, p, m: box_order("1f1b", s, p, m),  # imported by name into the learner's module
     ):
         with pytest.raises(ExerciseError, match=r"\w+\.\w+ is withheld .*: build the order"):
             ch04.one_f_one_b(copy)
     assert bubble.box_order("1f1b", 0, 2, 2) == library_order.recorded_order("1f1b", 0, 2, 2)
+    assert box_order is bubble.box_order  # the learner's own name restored too
 
 
 @pytest.mark.parametrize(

@@ -108,11 +108,15 @@ def attempt(exercise: str, fn: Callable, *args, **kwargs) -> Any:
 
 
 @contextlib.contextmanager
-def withheld(exercise: str, module: ModuleType, names: tuple[str, ...], why: str):
+def withheld(
+    exercise: str, module: ModuleType, names: tuple[str, ...], why: str, fn: Callable | None = None
+):
     """While the block runs (the learner's function, called by a checker), each ``module.name``
     of ``names`` raises :class:`ExerciseError` saying it is withheld and ``why``: a function that
     computes the answer (the simulator, the reference order) cannot stand in for a derivation.
-    The checker's own references, imported by name before, are untouched."""
+    So do the names in the learner's ``fn``'s module (a notebook's globals) bound to the same
+    functions (``from module import name``). The checker's own references, imported by name
+    into the checker's module, are untouched."""
     short = module.__name__.rsplit(".", 1)[-1]
 
     def refuse(name):
@@ -123,9 +127,14 @@ def withheld(exercise: str, module: ModuleType, names: tuple[str, ...], why: str
 
         return refused
 
+    learner = getattr(fn, "__globals__", {})
     with contextlib.ExitStack() as stack:
         for name in names:
+            original = getattr(module, name)
             stack.enter_context(mock.patch.object(module, name, refuse(name)))
+            aliases = {k: refuse(name) for k, v in learner.items() if v is original}
+            if aliases:
+                stack.enter_context(mock.patch.dict(learner, aliases))
         yield
 
 

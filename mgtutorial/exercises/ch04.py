@@ -87,7 +87,9 @@ def bubble(gpipe_step, smallest_m) -> None:
         if len(set(times)) == 1:
             require(close(idle, bubble_formula(p, m)), ex, "lay_out no longer gives the formula")
         call = f"gpipe_step({times}, m={m})"
-        with withheld(ex, bubble_module, WITHHELD, "derive the span from the stages' times"):
+        with withheld(
+            ex, bubble_module, WITHHELD, "derive the span from the stages' times", gpipe_step
+        ):
             out = attempt(ex, gpipe_step, list(times), m)
         require(
             isinstance(out, tuple) and len(out) == 2,
@@ -127,7 +129,7 @@ def bubble(gpipe_step, smallest_m) -> None:
     for p, o, target in DELAY_CASES:
         call, want = f"smallest_m(p={p}, o={o}, target={target})", _smallest(p, o, target)
         why = "derive the bubble with the delay, and solve it for m"
-        with withheld(ex, bubble_module, WITHHELD, why):
+        with withheld(ex, bubble_module, WITHHELD, why, smallest_m):
             got = attempt(ex, smallest_m, p, o, target)
         if want is not None:
             ok = _bubble_at(p, want, o) <= target + 1e-9 < _bubble_at(p, want - 1, o)

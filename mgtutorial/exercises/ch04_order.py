@@ -81,8 +81,8 @@ def one_f_one_b(order_fn) -> None:
     ex = "04b.3 the 1F1B order"
     for p, m in ORDER_CASES:
         with (
-            withheld(ex, bubble_module, ("box_order", "ideal_events"), WHY),
-            withheld(ex, library_order, ("recorded_order",), WHY),
+            withheld(ex, bubble_module, ("box_order", "ideal_events"), WHY, order_fn),
+            withheld(ex, library_order, ("recorded_order",), WHY, order_fn),
         ):
             answers = [attempt(ex, order_fn, s, p, m) for s in range(p)]
         orders = [_well_formed(ex, answer, s, p, m) for s, answer in enumerate(answers)]

@@ -438,6 +438,18 @@ def test_choose_m_solution_passes(capsys):
     assert capsys.readouterr().out.startswith("✓ 04b.2 choosing m:")
 
 
+def test_choose_m_refuses_the_courses_span_in_place_of_one_written():
+    def copied(p, F, B, o, batch):
+        ds = [d for d in range(1, batch + 1) if batch % d == 0]
+        m = min(ds, key=lambda d: bubble.step_span(p, d, F / d, B / d, o))
+        real = math.sqrt((p - 1) * (F + B) / (2 * o)) if o else math.inf
+        return real, m, bubble.step_span(p, m, F / m, B / m, o)
+
+    with pytest.raises(ExerciseError, match=r"bubble\.step_span is withheld .*critical path"):
+        ch04.choose_m(copied)
+    assert bubble.step_span(2, 1, 1.0, 2.0) == 6.0  # restored
+
+
 def _with(index, value):
     """The solution with one of its three answers replaced by ``value(p, F, B, o, batch, out)``."""
 
@@ -445,7 +457,7 @@ def _with(index, value):
         out = list(best_m_solution(p, F, B, o, batch))
         out[index] = value(p, F, B, o, batch, out)
         if index == 1:  # a different m, with its own span
-            out[2] = bubble.step_span(p, out[1], F / out[1], B / out[1], o)
+            out[2] = (out[1] + p - 1) * ((F + B) / out[1] + 2 * o) - o  # its own span
         return tuple(out)
 
     return answer

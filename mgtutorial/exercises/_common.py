@@ -132,9 +132,10 @@ def withheld(
         for name in names:
             original = getattr(module, name)
             stack.enter_context(mock.patch.object(module, name, refuse(name)))
-            aliases = {k: refuse(name) for k, v in learner.items() if v is original}
-            if aliases:
-                stack.enter_context(mock.patch.dict(learner, aliases))
+            aliases = [k for k, v in learner.items() if v is original]
+            for key in aliases:  # only these keys, set back one by one: the rest is left alone
+                learner[key] = refuse(name)
+                stack.callback(learner.__setitem__, key, original)
         yield
 
 

@@ -95,6 +95,27 @@ def test_indivisible_batch_hand_written_weights_by_share(runs, no_leftovers):
     _assert_equals_unsplit(run, res, cfg)
 
 
+def test_interleaved_microbatch_rule_is_torchs():
+    """The course refuses exactly the m that torch's ScheduleInterleaved1F1B refuses, built on
+    torch's own mock stages (``_schedule_visualizer.get_schedule_ops``, no process group)."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    def accepts(check, *args):
+        try:
+            check(*args)
+        except ValueError:
+            return False
+        return True
+
+    for p in (2, 3, 4):
+        for m in range(1, 17):
+            torch_ok = accepts(get_schedule_ops, ScheduleInterleaved1F1B, p, m, 2)
+            assert torch_ok == accepts(schedules.check_interleaved_microbatches, m, p), (p, m)
+    assert accepts(schedules.check_interleaved_microbatches, 10, 4)  # 2 rounds of 5
+    assert not accepts(schedules.check_interleaved_microbatches, 5, 2)  # 2 rounds: 5 % 2
+
+
 def test_indivisible_batch_library_refused_before_any_process(runs):
     for schedule in ("gpipe", "1f1b"):
         with pytest.raises(ValueError, match="batch_size=32 is not divisible by n_microbatches=3"):

@@ -16,6 +16,7 @@ Taught in: every chapter's "Exercises" section (notebooks/*.ipynb); the editions
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import sys
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
+from unittest import mock
 
 from mgtutorial.common.config import Config
 from mgtutorial.runtime.env import BackendChoice
@@ -103,6 +105,38 @@ def attempt(exercise: str, fn: Callable, *args, **kwargs) -> Any:
     if out is ...:
         raise ExerciseError(exercise, f"`{name}` returned `...`: its body is not written yet")
     return out
+
+
+@contextlib.contextmanager
+def withheld(
+    exercise: str, module: ModuleType, names: tuple[str, ...], why: str, fn: Callable | None = None
+):
+    """While the block runs (the learner's function, called by a checker), each ``module.name``
+    of ``names`` raises :class:`ExerciseError` saying it is withheld and ``why``: a function that
+    computes the answer (the simulator, the reference order) cannot stand in for a derivation.
+    So do the names in the learner's ``fn``'s module (a notebook's globals) bound to the same
+    functions (``from module import name``). The checker's own references, imported by name
+    into the checker's module, are untouched."""
+    short = module.__name__.rsplit(".", 1)[-1]
+
+    def refuse(name):
+        def refused(*args, **kwargs):
+            raise ExerciseError(
+                exercise, f"{short}.{name} is withheld while the checker runs your function: {why}"
+            )
+
+        return refused
+
+    learner = getattr(fn, "__globals__", {})
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            original = getattr(module, name)
+            stack.enter_context(mock.patch.object(module, name, refuse(name)))
+            aliases = [k for k, v in learner.items() if v is original]
+            for key in aliases:  # only these keys, set back one by one: the rest is left alone
+                learner[key] = refuse(name)
+                stack.callback(learner.__setitem__, key, original)
+        yield
 
 
 def import_file(path: str | Path, exercise: str = "exercise") -> ModuleType:

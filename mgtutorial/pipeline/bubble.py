@@ -15,6 +15,7 @@ process group, no torch.
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from typing import Literal
 
 
@@ -102,22 +103,24 @@ def ideal_events(
 
 
 def lay_out(
-    orders: list[list[tuple[str, int]]], forward_s=1.0, backward_s=2.0, scale=None
+    orders: list[list[tuple[str, int]]], forward_s=1.0, backward_s=2.0, scale=None, delay_s=0.0
 ) -> list[dict]:
     """An ideal step from each stage's order of boxes (``orders[s]``: ``(event, microbatch)``
     pairs, event "forward" or "backward", as :func:`box_order` gives them), as events sorted by
     start: every forward lasts ``forward_s``, every backward ``backward_s``, and a box starts the
-    moment its :func:`producer` has ended and its stage is free (no cost between boxes). Draw it
+    moment its :func:`producer` has ended and its stage is free, plus ``delay_s`` (default 0: no
+    cost between boxes; else every box but the step's first starts that late, the delay
+    :func:`box_delays` measures and :func:`bubble_model` puts into the formula). Draw it
     with :func:`mgtutorial.pipeline.timeline.gantt`. ``scale[s]`` (default all 1) multiplies stage
-    s's boxes: an unbalanced pipeline (exercise 04a.1's slow stage). Taught in 04a (GPipe) and 04b
-    (exercise 04b.3: your own 1F1B order).
+    s's boxes: an unbalanced pipeline. Taught in 04a (GPipe; exercise 04a.1: unequal stages, a
+    delay per box) and 04b (exercise 04b.3: your own 1F1B order).
 
     Raises:
         RuntimeError: the orders deadlock (a stage waits for a box that waits for it).
     """
     p = len(orders)
-    pending = {s: list(order) for s, order in enumerate(orders)}
-    end, free, evs = {}, [0.0] * p, []
+    pending = {s: deque(order) for s, order in enumerate(orders)}
+    end, free, evs = {}, [None] * p, []
     while any(pending.values()):
         progressed = False
         for s in range(p):
@@ -126,12 +129,13 @@ def lay_out(
                 dep = producer(event, s, i, p - 1)
                 if dep is not None and dep not in end:
                     break
-                start = max(end.get(dep, 0.0), free[s])
+                ready = [t for t in (end.get(dep), free[s]) if t is not None]
+                start = max(ready) + delay_s if ready else 0.0
                 length = forward_s if event == "forward" else backward_s
                 free[s] = end[s, event, i] = start + length * (1 if scale is None else scale[s])
                 box = {"event": event, "stage": s, "rank": s, "microbatch": i, "step": 1}
                 evs.append({**box, "start": start, "end": free[s]})
-                pending[s].pop(0)
+                pending[s].popleft()
                 progressed = True
         if not progressed:
             waiting = {s: order[0] for s, order in pending.items() if order}

@@ -106,17 +106,12 @@ class PipelineConfig(Config):
             )
         if self.schedule == "1f1b" and m < nprocs:
             raise ValueError(
-                f"1F1B needs n_microbatches ≥ stages: {m} < {nprocs}. Schedule1F1B refuses it too "
-                "(its warm-up fills every stage with a micro-batch): use n_microbatches ≥ "
-                f"{nprocs}, or schedule='gpipe'."
+                f"1F1B needs n_microbatches ≥ stages: {m} < {nprocs}. torch's Schedule1F1B "
+                "refuses it when it is built, though its step loop could run it (exercise "
+                f"04b.3): use n_microbatches ≥ {nprocs}, or schedule='gpipe'."
             )
-        rounds = max(1, m // nprocs)  # ScheduleInterleaved1F1B's own rule (torch 2.14)
-        if self.schedule == "interleaved" and m % rounds:
-            raise ValueError(
-                f"interleaved runs n_microbatches={m} in max(1, m // ranks) = {rounds} rounds, "
-                f"which must divide m: use m ≤ {nprocs} or a multiple of the {nprocs} ranks "
-                f"(e.g. {-(-m // nprocs) * nprocs}: then the rounds are m / {nprocs})."
-            )
+        if self.schedule == "interleaved":
+            check_interleaved_microbatches(m, nprocs)
         stages = nprocs * stages_per_rank(self)
         if stages > len(self.sizes) - 1:
             raise ValueError(
@@ -126,6 +121,21 @@ class PipelineConfig(Config):
             )
         rank_or_none(self, "fail_stage", stages, "stage")
         check_data_fits(self, nprocs)
+
+
+def check_interleaved_microbatches(n_microbatches: int, nprocs: int) -> None:
+    """Refuse an m that ``ScheduleInterleaved1F1B`` refuses on ``nprocs`` ranks: torch 2.14.1 runs
+    the micro-batches in max(1, ⌊m / p⌋) rounds (``number_of_rounds``), which must divide m (taught
+    in 04b, section 1). So m ≤ p and every multiple of p pass, and another m only when ⌊m / p⌋
+    divides it (p = 4, m = 10: 2 rounds of 5). Raises ValueError naming m and the rounds."""
+    m, rounds = n_microbatches, max(1, n_microbatches // nprocs)
+    if m % rounds:
+        raise ValueError(
+            f"interleaved runs n_microbatches={m} in max(1, m // ranks) = {rounds} rounds, "
+            "which must divide m (torch's ScheduleInterleaved1F1B refuses it otherwise): use "
+            f"m ≤ {nprocs}, a multiple of the {nprocs} ranks (e.g. {-(-m // nprocs) * nprocs}), "
+            f"or another m that m // {nprocs} divides."
+        )
 
 
 def stages_per_rank(cfg: PipelineConfig) -> int:

@@ -1,9 +1,8 @@
 """Checkers of chapter 04's exercises (notebooks/04a_pipeline_gpipe.ipynb: 04a.1, 04a.2;
-notebooks/04b_pipeline_schedules.ipynb: 04b.1, 04b.2; 04b.3 in
-:mod:`mgtutorial.exercises.ch04_order`): the span and bubble of an ideal step with unequal stages
-and the m a target bubble needs with a delay per box, both against the chapter's simulator, the
-weighting of micro-batch losses when padded rows do not count, a balanced split of the MLP into
-stages, and the choice of m for a given stage cost and delay between boxes."""
+notebooks/04b_pipeline_schedules.ipynb: 04b.1, 04b.2; 04b.3 in :mod:`.ch04_order`): the span and
+bubble of a step with unequal stages and the m a target bubble needs with a delay per box, both
+against the chapter's simulator, the weighting of micro-batch losses when padded rows do not count,
+a balanced split of the MLP into stages, and the choice of m for a stage cost and delay per box."""
 
 from __future__ import annotations
 

@@ -154,9 +154,10 @@ def test_ddp_own_worker_reports_its_terms(runs, no_leftovers):
     }
     assert got["batch_size"] == 1 and got["plain_s"] > 0
     assert got["own_s"] == max(0.0, got["own_raw_s"])  # clamped only where the median is < 0
-    # every term measured, none missing or infinite; how large they are is a measurement of this
-    # machine at this moment (load moves it several-fold), so no test compares them
-    assert all(math.isfinite(got[k]) for k in got) and min(got["fwd_s"], got["bwd_s"]) > 0
+    # every term measured, none missing or infinite; each per-phase term is a median of
+    # differences (DDP − plain) and may be below 0 under load, and how large they are is a
+    # measurement of this machine at this moment, so no test compares them
+    assert all(math.isfinite(got[k]) for k in got)
 
 
 def test_flops_match_torch_flop_counter():

@@ -289,3 +289,21 @@ def test_early_stop_both_ways(tmp_path, capsys, no_leftovers):
     for name, layout, last in [("step5", 1, 5), ("never", 0, 9)]:
         with pytest.raises(ExerciseError, match=f"no. {layout}, rank 0 logged up to step {last},"):
             ch05c.early_stop(str(files[name]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_restore_calling_the_package_s_loader_is_refused(tmp_path, no_leftovers):
+    """05b.1 withholds checkpoint.load_checkpoint in its ranks: a restore that calls it (under
+    either name it is imported by) fails and says so; the right one passes (the test above)."""
+    for n, call in enumerate(("checkpoint.load_checkpoint", "trainer.load_checkpoint")):
+        copied = tmp_path / f"copied{n}.py"
+        copied.write_text(
+            "from mgtutorial.common import checkpoint\n"
+            "from mgtutorial.ddp import trainer\n\n\n"
+            "def restore(path, model, optimizer, device):\n"
+            f"    state = {call}(path, model, optimizer, device)\n"
+            '    return {k: state[k] for k in ("epoch", "step", "batch", "samples")}\n'
+        )
+        with pytest.raises(ExerciseError, match="load_checkpoint is withheld in 05b.1"):
+            ch05b.resume_after_kill(str(copied), runs_dir=str(tmp_path / "runs"))

@@ -83,8 +83,28 @@ class RestoringTrainer(elastic.ElasticTrainer):
             )
 
 
+WITHHELD = (
+    "checkpoint.load_checkpoint is withheld in 05b.1: write the load yourself (what it does is "
+    "section 1's, the snapshot's keys printed there)"
+)
+
+
+def withhold_loader() -> None:
+    """In this rank, make the package's own loader (``checkpoint.load_checkpoint``, also under the
+    name chapter 02's Trainer imported) raise RuntimeError: 05b.1 asks for that load itself. The
+    Trainer does not call it here (``cfg.resume`` is False: ``restore`` resumes)."""
+    from mgtutorial.common import checkpoint
+    from mgtutorial.ddp import trainer
+
+    def withheld(*args, **kwargs):
+        raise RuntimeError(WITHHELD)
+
+    checkpoint.load_checkpoint = trainer.load_checkpoint = withheld
+
+
 def restore_worker(cfg: RestoreConfig) -> dict:
     """One rank of 05b.1: the elastic job, resumed by ``restore`` from the file ``cfg.path``."""
+    withhold_loader()  # before the learner's file is imported: a name it imports is withheld too
     restore = function_from(cfg.path, "restore", "05b.1")
     if cfg.restart_counts:  # one node per rank: each agent's own count
         count = cfg.restart_counts[int(os.environ["RANK"])]
@@ -123,7 +143,8 @@ def _attempt(ex: str, cfg: RestoreConfig, runs_dir: str, restart: int):
 def resume_after_kill(path: str = "ex05b_restore.py", runs_dir: str = "runs/exercises") -> None:
     """05b.1: ``restore(path, model, optimizer, device)`` in the file ``path`` loads a snapshot of
     :func:`mgtutorial.common.checkpoint.save_checkpoint` into the (DDP) model and the optimizer and
-    returns its progress ``{"epoch", "step", "batch", "samples"}`` (ints).
+    returns its progress ``{"epoch", "step", "batch", "samples"}`` (ints), without the package's
+    own loader (:func:`withhold_loader`: ``checkpoint.load_checkpoint`` raises in the ranks).
 
     Replays ``torchrun --max-restarts 1`` on two nodes with :func:`mgtutorial.launch`: attempt 0
     with rank 1 killed after step 10, then attempt 1 on the same snapshot file, where rank 0 gets

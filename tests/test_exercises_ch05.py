@@ -158,7 +158,9 @@ def restore(path, model, optimizer, device):
     state = torch.load(path, map_location=device, weights_only=True)
     models.unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    return {{k: state[k] for k in ("epoch", "step", "batch", "samples")}}
+    progress = {{k: state[k] for k in ("epoch", "step", "batch", "samples")}}
+    progress["batch"] = state["batch"] * state["world_size"] // torch.distributed.get_world_size()
+    return progress
 """
 
 
@@ -205,8 +207,8 @@ def test_restore_returning_no_samples_is_named_as_the_cause(tmp_path, no_leftove
     zero = tmp_path / "zero.py"
     zero.write_text(
         textwrap.dedent(RESTORE.format(guard="pass")).replace(
-            'return {k: state[k] for k in ("epoch", "step", "batch", "samples")}',
-            'return {**{k: state[k] for k in ("epoch", "step", "batch")}, "samples": 0}',
+            "return progress",
+            'return {**progress, "samples": 0}',
         )
     )
     with pytest.raises(ExerciseError, match="restore returned 'samples': 0 for a snapshot of step"):
@@ -289,3 +291,37 @@ def test_early_stop_both_ways(tmp_path, capsys, no_leftovers):
     for name, layout, last in [("step5", 1, 5), ("never", 0, 9)]:
         with pytest.raises(ExerciseError, match=f"no. {layout}, rank 0 logged up to step {last},"):
             ch05c.early_stop(str(files[name]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_restore_calling_the_package_s_loader_is_refused(tmp_path, no_leftovers):
+    """05b.1 withholds checkpoint.load_checkpoint in its ranks: a restore that calls it (under
+    either name it is imported by) fails and says so; the right one passes (the test above)."""
+    for n, call in enumerate(("checkpoint.load_checkpoint", "trainer.load_checkpoint")):
+        copied = tmp_path / f"copied{n}.py"
+        copied.write_text(
+            "from mgtutorial.common import checkpoint\n"
+            "from mgtutorial.ddp import trainer\n\n\n"
+            "def restore(path, model, optimizer, device):\n"
+            f"    state = {call}(path, model, optimizer, device)\n"
+            '    return {k: state[k] for k in ("epoch", "step", "batch", "samples")}\n'
+        )
+        with pytest.raises(ExerciseError, match="load_checkpoint is withheld in 05b.1"):
+            ch05b.resume_after_kill(str(copied), runs_dir=str(tmp_path / "runs"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_restore_not_converting_the_batch_to_the_new_world_size_fails(tmp_path, no_leftovers):
+    """05b.1's restart runs at world size 2 on a snapshot counted at 3: the snapshot's batch as it
+    stands resumes at the wrong place of the epoch (the right one passes, the tests above)."""
+    unconverted = tmp_path / "unconverted.py"
+    right = textwrap.dedent(RESTORE.format(guard="pass"))
+    converting = [line for line in right.splitlines() if "world_size" in line]
+    assert len(converting) == 1
+    unconverted.write_text(right.replace(converting[0] + "\n", ""))
+    with pytest.raises(
+        ExerciseError, match="resumed at step 8, batch 8 of the epoch: .*world size 3"
+    ):
+        ch05b.resume_after_kill(str(unconverted), runs_dir=str(tmp_path / "runs"))

@@ -96,8 +96,10 @@ def collective_counts(mode) -> dict[str, int]:
 
 
 def nbytes(t) -> int:
-    """Bytes of a tensor, or of the first tensor of a list/tuple (a collective's buffer)."""
-    t = t[0] if isinstance(t, (list, tuple)) else t
+    """Bytes of a tensor, or of the first tensor of a (nested) list/tuple (a collective's buffer:
+    c10d's ``allgather_`` takes a list of lists)."""
+    while isinstance(t, (list, tuple)):
+        t = t[0]
     return t.numel() * t.element_size()
 
 

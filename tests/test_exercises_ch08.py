@@ -218,3 +218,26 @@ def test_bias_before_g_hints_for_the_prediction(tmp_path, no_leftovers):
         with pytest.raises(ExerciseError, match="^08a.3 bias before g: ") as err:
             ch08.bias_before_g(str(path), predicted)
         assert hint in err.value.hint, err.value.hint
+
+
+RIGHT_COUNTS = {
+    "forward": 2,
+    "backward": 2,
+    "all_reduce_bytes": 1536,
+    "all_gather_bytes": [768, 1536],
+}
+COUNTS_VARIANTS = [  # a wrong prediction for TPConfig(h=32, n_heads=8, batch=3, seq=4), the hint
+    ({"forward": 1}, "did not issue 1 all-reduces in forward"),
+    ({"all_reduce_bytes": 768}, "each all-reduce did not move 768 bytes"),
+    ({"all_gather_bytes": [1536, 1536]}, "did not take and return [1536, 1536] bytes"),
+]
+
+
+@pytest.mark.timeout(300)
+def test_counts_passes_the_right_prediction_and_names_each_wrong_one(capsys, no_leftovers):
+    ch08.counts(RIGHT_COUNTS)
+    assert "✓ 08a.1 counts and bytes" in capsys.readouterr().out
+    for wrong, hint in COUNTS_VARIANTS:
+        with pytest.raises(ExerciseError, match="^08a.1 counts and bytes: ") as err:
+            ch08.counts({**RIGHT_COUNTS, **wrong})
+        assert hint in err.value.hint, err.value.hint

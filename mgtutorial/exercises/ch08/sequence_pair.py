@@ -159,7 +159,8 @@ def _check_rank(rank: int, v: dict) -> None:
     require(
         max(lib.values()) <= TOL,
         EX,
-        f"rank {rank}: the library's split differs from one process ({lib}); report this",
+        f"rank {rank}: the library's split differs from one process ({lib}): a problem of this "
+        "installation of torch, not of your pair",
     )
     hand = v["hand"]
     require(

@@ -241,3 +241,33 @@ def test_counts_passes_the_right_prediction_and_names_each_wrong_one(capsys, no_
         with pytest.raises(ExerciseError, match="^08a.1 counts and bytes: ") as err:
             ch08.counts({**RIGHT_COUNTS, **wrong})
         assert hint in err.value.hint, err.value.hint
+
+
+RIGHT_LOSS = {
+    "all_reduce_bytes": [[1536, 1536], [48, 48], [48, 48], [48, 48], [1536, 1536]],
+    "local_logit_bytes": 768,
+    "full_logit_bytes": 1536,
+}
+LOSS_VARIANTS = [  # a wrong prediction for h=32, b=3, s=4, vocabulary 32, the hint
+    ({"all_reduce_bytes": [[1536, 1536], [48, 48], [48, 48], [48, 48]]}, "did not run 4"),
+    (
+        {"all_reduce_bytes": [[1536, 1536], [1536, 1536], [48, 48], [48, 48], [48, 48]]},
+        "all-reduce 2 of 5 did not move [1536, 1536] bytes",
+    ),
+    ({"local_logit_bytes": 1536}, "local_logit_bytes is not 1536"),
+]
+
+
+@pytest.mark.timeout(300)
+def test_loss_bytes_passes_the_right_prediction_and_names_each_wrong_one(capsys, no_leftovers):
+    ch08.loss_bytes(RIGHT_LOSS)
+    assert "✓ 08b.2 the bytes of loss parallelism" in capsys.readouterr().out
+    for wrong, hint in LOSS_VARIANTS:
+        with pytest.raises(ExerciseError, match="^08b.2 the bytes of loss parallelism: ") as err:
+            ch08.loss_bytes({**RIGHT_LOSS, **wrong})
+        assert hint in err.value.hint, err.value.hint
+
+
+def test_loss_bytes_refuses_a_malformed_list_before_any_rank():
+    with pytest.raises(ExerciseError, match="one pair of ints per all-reduce"):
+        ch08.loss_bytes({**RIGHT_LOSS, "all_reduce_bytes": [[..., ...]]})

@@ -8,12 +8,14 @@ notebooks/08b_tp_mesh_and_cost.ipynb), called as ``ex.ch08.<name>``:
   hand-split MLP on 2 ranks (:func:`split_mlp_worker`, ``split_mlp.py``)
 - 08b.1 :func:`block_plan` (``plan.py``): a sequence-parallel DTensor plan, and the heads of each
   rank, for a Llama-style block with grouped-query attention
+- 08b.2 :func:`loss_bytes` (``loss_bytes.py``): the all-reduces of the vocabulary-parallel loss
 """
 
 from __future__ import annotations
 
 from mgtutorial.exercises.ch08.collectives import counts
 from mgtutorial.exercises.ch08.hand_split import NAMES, bias_before_g
+from mgtutorial.exercises.ch08.loss_bytes import loss_bytes, loss_worker
 from mgtutorial.exercises.ch08.plan import GatedBlock, block_plan, plan_worker
 from mgtutorial.exercises.ch08.sequence_pair import pair_worker, sequence_pair
 from mgtutorial.exercises.ch08.split_mlp import SplitMLPConfig, split_mlp_worker
@@ -25,6 +27,8 @@ __all__ = [
     "bias_before_g",
     "block_plan",
     "counts",
+    "loss_bytes",
+    "loss_worker",
     "pair_worker",
     "plan_worker",
     "sequence_pair",

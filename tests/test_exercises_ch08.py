@@ -233,16 +233,6 @@ COUNTS_VARIANTS = [  # a wrong prediction for TPConfig(h=32, n_heads=8, batch=3,
 ]
 
 
-@pytest.mark.timeout(300)
-def test_counts_passes_the_right_prediction_and_names_each_wrong_one(capsys, no_leftovers):
-    ch08.counts(RIGHT_COUNTS)
-    assert "✓ 08a.1 counts and bytes" in capsys.readouterr().out
-    for wrong, hint in COUNTS_VARIANTS:
-        with pytest.raises(ExerciseError, match="^08a.1 counts and bytes: ") as err:
-            ch08.counts({**RIGHT_COUNTS, **wrong})
-        assert hint in err.value.hint, err.value.hint
-
-
 RIGHT_LOSS = {
     "all_reduce_bytes": [[1536, 1536], [48, 48], [48, 48], [48, 48], [1536, 1536]],
     "local_logit_bytes": 768,
@@ -258,13 +248,21 @@ LOSS_VARIANTS = [  # a wrong prediction for h=32, b=3, s=4, vocabulary 32, the h
 ]
 
 
+PREDICTIONS = {  # exercise: (checker, the right prediction, [(a wrong change, its hint)])
+    "08a.1 counts and bytes": (ch08.counts, RIGHT_COUNTS, COUNTS_VARIANTS),
+    "08b.2 the bytes of loss parallelism": (ch08.loss_bytes, RIGHT_LOSS, LOSS_VARIANTS),
+}
+
+
 @pytest.mark.timeout(300)
-def test_loss_bytes_passes_the_right_prediction_and_names_each_wrong_one(capsys, no_leftovers):
-    ch08.loss_bytes(RIGHT_LOSS)
-    assert "✓ 08b.2 the bytes of loss parallelism" in capsys.readouterr().out
-    for wrong, hint in LOSS_VARIANTS:
-        with pytest.raises(ExerciseError, match="^08b.2 the bytes of loss parallelism: ") as err:
-            ch08.loss_bytes({**RIGHT_LOSS, **wrong})
+@pytest.mark.parametrize("exercise", sorted(PREDICTIONS))
+def test_predictions_pass_when_right_and_name_each_wrong_one(exercise, capsys, no_leftovers):
+    check, right, variants = PREDICTIONS[exercise]
+    check(right)
+    assert f"✓ {exercise}: " in capsys.readouterr().out
+    for wrong, hint in variants:
+        with pytest.raises(ExerciseError, match=f"^{exercise}: ") as err:
+            check({**right, **wrong})
         assert hint in err.value.hint, err.value.hint
 
 

@@ -235,10 +235,15 @@ COUNTS_VARIANTS = [  # a wrong prediction for TPConfig(h=32, n_heads=8, batch=3,
 
 RIGHT_LOSS = {
     "all_reduce_bytes": [[1536, 1536], [48, 48], [48, 48], [48, 48], [1536, 1536]],
-    "local_logit_bytes": 768,
-    "full_logit_bytes": 1536,
+    "local_logit_bytes": 960,
+    "full_logit_bytes": 1920,
 }
-LOSS_VARIANTS = [  # a wrong prediction for h=32, b=3, s=4, vocabulary 32, the hint
+LOSS_VARIANTS = [  # a wrong prediction for h=32, b=3, s=4, vocabulary 40, the hint
+    (  # the embedding's output and the head's input gradient taken as logits, (b, s, V)
+        {"all_reduce_bytes": [[1920, 1920], [48, 48], [48, 48], [48, 48], [1920, 1920]]},
+        "all-reduce 1 of 5 did not move [1920, 1920] bytes",
+    ),
+    ({"local_logit_bytes": 768, "full_logit_bytes": 1536}, "is not 768"),  # h in place of V
     ({"all_reduce_bytes": [[1536, 1536], [48, 48], [48, 48], [48, 48]]}, "did not run 4"),
     (
         {"all_reduce_bytes": [[1536, 1536], [1536, 1536], [48, 48], [48, 48], [48, 48]]},

@@ -11,7 +11,9 @@ from mgtutorial.tensor_parallel import config, loss
 
 EX = "08b.2 the bytes of loss parallelism"
 SIZES = dict(h=32, n_heads=8, batch=3, seq=4)
-"""The size the learner predicts for (vocabulary 32, as in section 4), on 2 ranks."""
+"""The size the learner predicts for, on 2 ranks."""
+VOCAB = 40
+"""The vocabulary: unlike h, so that an activation's bytes and the logits' bytes differ."""
 
 
 def loss_worker(cfg: config.TPConfig) -> dict:
@@ -21,14 +23,15 @@ def loss_worker(cfg: config.TPConfig) -> dict:
 
     with env.distributed(cfg.backend) as ctx:
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        return loss.check_loss_parallel(cfg, ctx, mesh)
+        return loss.check_loss_parallel(cfg, ctx, mesh, vocab=VOCAB)
 
 
 def loss_bytes(predicted: dict) -> None:
     """08b.2: ``predicted`` = {"all_reduce_bytes": [[bytes in, bytes out] of each all-reduce of the
     vocabulary-parallel model's forward, loss and backward, in order], "local_logit_bytes": the
     float32 logits one rank holds (int), "full_logit_bytes": the same gathered whole (int)} for
-    ``TPConfig(h=32, n_heads=8, batch=3, seq=4)`` and a vocabulary of 32 on 2 ranks.
+    ``TPConfig(h=32, n_heads=8, batch=3, seq=4)`` and a vocabulary of :data:`VOCAB` (40) on 2
+    ranks.
 
     Runs :func:`loss_worker` on 2 gloo ranks and compares with what ``CommDebugMode`` recorded."""
     guess = {

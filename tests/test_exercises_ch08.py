@@ -158,7 +158,7 @@ SP_VARIANTS = {  # (gather forward, gather backward, scatter forward, scatter ba
     "identities": (("identity",) * 4, "your output is this rank's partial sum alone"),
     "gather_backward_keeps_own_tokens": (
         ("gather", "my_tokens", "scatter", "gather"),
-        "GatherFromSeq's backward sums the ranks' gradients",
+        "look at GatherFromSeq's backward",
     ),
     "scatter_backward_identity": (
         ("gather", "scatter", "scatter", "identity"),

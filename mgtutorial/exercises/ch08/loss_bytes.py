@@ -67,8 +67,8 @@ def loss_bytes(predicted: dict) -> None:
         require(
             guess[key] == v[key],
             EX,
-            f"{key} is not {guess[key]}: b·s tokens, each with V logits, of which a rank holds "
-            "V / tp, 4 bytes each",
+            f"{key} is not {guess[key]}: how many logits does each token have, which dimension "
+            "of the logits is sharded, and into how many parts?",
         )
     passed(
         EX,

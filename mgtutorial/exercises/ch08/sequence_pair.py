@@ -187,15 +187,16 @@ def _check_rank(rank: int, v: dict) -> None:
         not wrong,
         EX,
         f"rank {rank}: output right, but the gradients of {wrong} differ from one process's: "
-        "ScatterToSeq's backward must give w2's output the gradient of every token, not only "
-        "this rank's (which collective undoes a reduce-scatter?)",
+        "look at ScatterToSeq's backward: which of w2's output tokens need a gradient on this "
+        "rank, and where are those gradients?",
     )
     require(
         hand["x.grad"] <= TOL,
         EX,
         f"rank {rank}: output and weight gradients right, but the gradient of this rank's "
-        f"tokens differs by up to {hand['x.grad']:.2g}: every rank used all the tokens, so "
-        "GatherFromSeq's backward sums the ranks' gradients and keeps this rank's tokens",
+        f"tokens differs by up to {hand['x.grad']:.2g}: look at GatherFromSeq's backward: "
+        "every rank used your tokens, so which ranks' gradients hold a share of theirs, and how "
+        "do you combine them?",
     )
     for phase in ("forward", "backward"):
         got, want = v["counts"][phase], v["library_counts"][phase]

@@ -1,7 +1,7 @@
 """Checker of exercise 09b.3 (notebooks/09b_measurement.ipynb): the TP degree at which one
 block's forward communication outgrows its matmuls, on DGX H100 nodes (NVLink inside a node)
 and on the same nodes with their GPUs linked by PCIe instead, with the arithmetic of chapter
-08b's section 2 (:func:`mgtutorial.tensor_parallel.cost.comm_bytes`) and the course's one model
+08's section 7 (:func:`mgtutorial.tensor_parallel.cost.comm_bytes`) and the course's one model
 of the links, :meth:`mgtutorial.perf.costmodel.Hardware.ring_bw` (chapter 09a).
 """
 
@@ -28,7 +28,7 @@ N_HEADS = 96
 
 
 def reference_ratio(tp_degree: int, link_bw: float) -> float:
-    """Chapter 08b section 2's ratio: one block's forward communication per rank over ``link_bw``
+    """Chapter 08 section 7's ratio: one block's forward communication per rank over ``link_bw``
     (B/s) / its matmuls at ``costmodel.H100.peak_flops``."""
     s, h = 2048, 12288
     big = cost.comm_bytes(b=1, s=s, h=h, ffn=4 * h, tp=tp_degree, elem=2)
@@ -47,7 +47,7 @@ def _check_ratio(ex: str, ratio) -> None:
                 (
                     2 * (n - 1) / n,
                     "a ring all-reduce does not send the tensor once from each rank: how much "
-                    "does each rank send (chapter 08b, section 2)?",
+                    "does each rank send (chapter 08, section 7)?",
                 ),
                 (n, "does each rank compute all the matmuls of the block?"),
                 (
@@ -63,7 +63,7 @@ def _check_ratio(ex: str, ratio) -> None:
             ]
             why = next(
                 (text for k, text in fixes if close(got * k, want, rel=1e-6)),
-                "compare with chapter 08b's section 2",
+                "compare with chapter 08's section 7",
             )
             direction = "too large" if got > want else "too small"
             require(False, ex, f"ratio({n}, {bw:.3g}) = {got:.3g} is {direction}: {why}")
@@ -76,7 +76,7 @@ the divisors' ratios, so the 3 % the attention-score matmuls would add cannot mo
 
 def crossover(ratio, largest_tp: dict | None = None) -> None:
     """09b.3: ``ratio(tp, link_bw) -> float`` (communication / compute of one block's forward at
-    the GPT-3-like size of chapter 08b's section 2, ``link_bw`` in B/s, peak
+    the GPT-3-like size of chapter 08's section 7, ``link_bw`` in B/s, peak
     ``costmodel.H100.peak_flops``, weight matmuls only) and ``largest_tp`` = {"dgx_h100",
     "pcie": int}, per cluster of :data:`NODES` the largest TP degree n dividing
     :data:`N_HEADS` with ``ratio(n, hw.ring_bw(n)) <= SHARE``. ``ratio`` is compared with the
@@ -96,7 +96,7 @@ def crossover(ratio, largest_tp: dict | None = None) -> None:
             N_HEADS % guess == 0,
             ex,
             f"{name} does not divide the {N_HEADS} heads: each rank must hold whole heads, and "
-            "transformer.check_heads refuses such a degree (chapter 08a, section 3); look among "
+            "transformer.check_heads refuses such a degree (chapter 08, section 3); look among "
             "the divisors of 96",
         )
         require(

@@ -944,7 +944,7 @@ def allreduce_busbw(w: Where) -> dict:
 
 @item(
     "tp_parity",
-    chapter="08_tensor_parallel",
+    chapter="08a_tensor_parallel",
     min_gpus=2,
     timeout_s=120,
     what="parallelize_module(ColwiseParallel, RowwiseParallel) on all GPUs == one process",

@@ -97,6 +97,9 @@ def test_counts_and_bytes_of_real_gloo_collectives(one_rank_group):
     assert out == "done"
     assert counts == {"all_reduce": 2, "broadcast": 1}
     assert sizes["all_reduce"] == [[16, 16], [16, 16]]
+    _, counts, sizes = compare.counted(lambda: dist.all_gather([torch.empty(4)], t))
+    assert counts == {"all_gather": 1}  # c10d's allgather_ takes a list of lists of tensors
+    assert sizes["all_gather"] == [[16, 16]]
     with compare.counting_mode() as mode:
         torch.mm(torch.ones(2, 2), torch.ones(2, 2))  # no collective: nothing counted
     assert mode.counts() == {} and mode.sizes == {}
@@ -105,6 +108,7 @@ def test_counts_and_bytes_of_real_gloo_collectives(one_rank_group):
 def test_nbytes_and_all_close():
     assert compare.nbytes(torch.zeros(3, dtype=torch.float64)) == 24
     assert compare.nbytes([torch.zeros(2, dtype=torch.int16), torch.zeros(9)]) == 4
+    assert compare.nbytes([[torch.zeros(5)], [torch.zeros(1)]]) == 20
     compare.all_close([(torch.ones(2), torch.ones(2) + 1e-7)])
     with pytest.raises(AssertionError):
         compare.all_close([(torch.ones(2), torch.zeros(2))])

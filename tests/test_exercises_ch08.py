@@ -35,6 +35,10 @@ def block_plan():
     }
     CHANGE
     return plan
+
+
+def heads_per_rank(n_heads, n_kv_heads, tp):
+    return HEADS
 """
 VARIANTS = {
     "w3_missing": ('del plan["feed_forward.w3"]', "feed_forward.w3 is not in your plan"),
@@ -68,66 +72,126 @@ VARIANTS = {
 def test_block_plan_variants(variant, tmp_path, capsys, no_leftovers, monkeypatch):
     monkeypatch.chdir(tmp_path)
     change, hint = VARIANTS.get(variant, ("pass", None))
-    (tmp_path / "ex08_plan.py").write_text(PLAN.replace("CHANGE", change))
+    src = PLAN.replace("CHANGE", change).replace("HEADS", RIGHT_HEADS)
+    (tmp_path / "ex08b_plan.py").write_text(src)
     if hint is None:
         ch08.block_plan()
         assert "2 all-gathers + 2 reduce-scatters" in capsys.readouterr().out
         return
-    with pytest.raises(ExerciseError, match="^08.4 a plan for a block: ") as err:
+    with pytest.raises(ExerciseError, match="^08b.1 a plan for a Llama-style block: ") as err:
         ch08.block_plan()
     assert hint in err.value.hint, err.value.hint
 
 
-FG = """import torch
-import torch.distributed as dist
-
-
-class CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=F_GROUP)
-        F_AVERAGE
-        return grad, None
-
-
-class ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        G_BACKWARD
-        return grad, None
-"""
-FG_VARIANTS = {  # (F_GROUP, F_AVERAGE, G_BACKWARD), the hint
-    "f_averages": (("ctx.group", "grad = grad / 2", "pass"), "did you average?"),
-    "g_backward_reduces": (
-        ("ctx.group", "pass", "grad = grad.clone(); dist.all_reduce(grad, group=ctx.group)"),
-        "ReduceFromTP's backward must be the identity",
-    ),
-    "no_group": (("None", "pass", "pass"), "did not get the group passed to apply"),
+RIGHT_HEADS = "n_heads // tp, n_kv_heads // tp"
+HEADS_VARIANTS = {  # heads_per_rank's body → the hint; refused in the kernel, before any rank
+    "n_heads // tp, n_kv_heads": "gives 2 key/value heads: wk and wv are split too",
+    "n_heads, n_kv_heads": "gives 4 query heads",
+    "2, 1": "heads_per_rank(8, 2, 2) gives 2 query heads",
+    "n_heads // tp": "not a pair",
 }
 
 
+@pytest.mark.parametrize("body", sorted(HEADS_VARIANTS))
+def test_block_plan_refuses_wrong_heads(body, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ex08b_plan.py").write_text(PLAN.replace("CHANGE", "pass").replace("HEADS", body))
+    with pytest.raises(ExerciseError, match="^08b.1 a plan for a Llama-style block: ") as err:
+        ch08.block_plan()
+    assert HEADS_VARIANTS[body] in err.value.hint, err.value.hint
+
+
+SP = """import torch
+import torch.distributed as dist
+
+
+def gather(x, group):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def scatter(x, group):
+    parts = [p.contiguous() for p in x.chunk(dist.get_world_size(group), dim=1)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+def all_reduce_chunk(x, group):
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+
+def identity(x, group):
+    return x
+
+
+def my_tokens(x, group):
+    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+
+class GatherFromSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return GATHER_FORWARD(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return GATHER_BACKWARD(grad, ctx.group), None
+
+
+class ScatterToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return SCATTER_FORWARD(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return SCATTER_BACKWARD(grad, ctx.group), None
+"""
+RIGHT_SP = ("gather", "scatter", "scatter", "gather")
+SP_VARIANTS = {  # (gather forward, gather backward, scatter forward, scatter backward), the hint
+    "identities": (("identity",) * 4, "your output is this rank's partial sum alone"),
+    "gather_backward_keeps_own_tokens": (
+        ("gather", "my_tokens", "scatter", "gather"),
+        "look at GatherFromSeq's backward",
+    ),
+    "scatter_backward_identity": (
+        ("gather", "scatter", "scatter", "identity"),
+        "your pair fails in forward or backward",
+    ),
+    "all_reduce_then_chunk": (
+        ("gather", "scatter", "all_reduce_chunk", "gather"),
+        "right results, but forward ran {'all_gather': 1, 'all_reduce': 1}",
+    ),
+}
+
+
+def _sp_source(ops) -> str:
+    src = SP
+    for key, op in zip(
+        ("GATHER_FORWARD", "GATHER_BACKWARD", "SCATTER_FORWARD", "SCATTER_BACKWARD"), ops
+    ):
+        src = src.replace(key, op)
+    return src
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", sorted(FG_VARIANTS))
-def test_f_and_g_hints_name_the_mistake(variant, tmp_path, no_leftovers):
-    (f_group, f_average, g_backward), hint = FG_VARIANTS[variant]
-    src = FG.replace("F_GROUP", f_group).replace("F_AVERAGE", f_average)
-    path = tmp_path / "ex08_fg.py"
-    path.write_text(src.replace("G_BACKWARD", g_backward))
-    with pytest.raises(ExerciseError, match="^08.2 f and g: ") as err:
-        ch08.f_and_g(str(path))
+@pytest.mark.parametrize("variant", [None, *SP_VARIANTS])
+def test_sequence_pair_variants(variant, tmp_path, capsys, no_leftovers):
+    ops, hint = SP_VARIANTS.get(variant, (RIGHT_SP, None))
+    path = tmp_path / "ex08a_sp.py"
+    path.write_text(_sp_source(ops))
+    if hint is None:
+        ch08.sequence_pair(str(path))
+        assert "== one process and == DTensor's split" in capsys.readouterr().out
+        return
+    with pytest.raises(ExerciseError, match="^08a.2 the sequence-parallel pair: ") as err:
+        ch08.sequence_pair(str(path))
     assert hint in err.value.hint, err.value.hint
 
 
@@ -144,13 +208,69 @@ def forward(m, x):
 
 @pytest.mark.timeout(300)
 def test_bias_before_g_hints_for_the_prediction(tmp_path, no_leftovers):
-    path = tmp_path / "ex08_bias.py"
+    path = tmp_path / "ex08a_bias.py"
     path.write_text(BIAS)
     for predicted, hint in [
         ({"wrong": {"output", "b2"}, "bias_copies": 2}, "the ranks measured otherwise"),
         ({"wrong": {"output"}, "bias_copies": 1}, "does not hold 1 copies of b2"),
         ({"wrong": {"bias"}, "bias_copies": 2}, "choose among"),
     ]:
-        with pytest.raises(ExerciseError, match="^08.3 bias before g: ") as err:
+        with pytest.raises(ExerciseError, match="^08a.3 bias before g: ") as err:
             ch08.bias_before_g(str(path), predicted)
         assert hint in err.value.hint, err.value.hint
+
+
+RIGHT_COUNTS = {
+    "forward": 2,
+    "backward": 2,
+    "all_reduce_bytes": 1536,
+    "all_gather_bytes": [768, 1536],
+}
+COUNTS_VARIANTS = [  # a wrong prediction for TPConfig(h=32, n_heads=8, batch=3, seq=4), the hint
+    ({"forward": 1}, "did not issue 1 all-reduces in forward"),
+    ({"all_reduce_bytes": 768}, "each all-reduce did not move 768 bytes"),
+    ({"all_gather_bytes": [1536, 1536]}, "did not take and return [1536, 1536] bytes"),
+]
+
+
+RIGHT_LOSS = {
+    "all_reduce_bytes": [[1536, 1536], [48, 48], [48, 48], [48, 48], [1536, 1536]],
+    "local_logit_bytes": 960,
+    "full_logit_bytes": 1920,
+}
+LOSS_VARIANTS = [  # a wrong prediction for h=32, b=3, s=4, vocabulary 40, the hint
+    (  # the embedding's output and the head's input gradient taken as logits, (b, s, V)
+        {"all_reduce_bytes": [[1920, 1920], [48, 48], [48, 48], [48, 48], [1920, 1920]]},
+        "all-reduce 1 of 5 did not move [1920, 1920] bytes",
+    ),
+    ({"local_logit_bytes": 768, "full_logit_bytes": 1536}, "is not 768"),  # h in place of V
+    ({"all_reduce_bytes": [[1536, 1536], [48, 48], [48, 48], [48, 48]]}, "did not run 4"),
+    (
+        {"all_reduce_bytes": [[1536, 1536], [1536, 1536], [48, 48], [48, 48], [48, 48]]},
+        "all-reduce 2 of 5 did not move [1536, 1536] bytes",
+    ),
+    ({"local_logit_bytes": 1536}, "local_logit_bytes is not 1536"),
+]
+
+
+PREDICTIONS = {  # exercise: (checker, the right prediction, [(a wrong change, its hint)])
+    "08a.1 counts and bytes": (ch08.counts, RIGHT_COUNTS, COUNTS_VARIANTS),
+    "08b.2 the bytes of loss parallelism": (ch08.loss_bytes, RIGHT_LOSS, LOSS_VARIANTS),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("exercise", sorted(PREDICTIONS))
+def test_predictions_pass_when_right_and_name_each_wrong_one(exercise, capsys, no_leftovers):
+    check, right, variants = PREDICTIONS[exercise]
+    check(right)
+    assert f"✓ {exercise}: " in capsys.readouterr().out
+    for wrong, hint in variants:
+        with pytest.raises(ExerciseError, match=f"^{exercise}: ") as err:
+            check({**right, **wrong})
+        assert hint in err.value.hint, err.value.hint
+
+
+def test_loss_bytes_refuses_a_malformed_list_before_any_rank():
+    with pytest.raises(ExerciseError, match="one pair of ints per all-reduce"):
+        ch08.loss_bytes({**RIGHT_LOSS, "all_reduce_bytes": [[..., ...]]})

@@ -6,7 +6,8 @@ Collective counts come from ``torch.distributed.tensor.debug.CommDebugMode``
 (https://pytorch.org/docs/stable/distributed.tensor.html#debugging), whose keys name the same
 collective differently by the API that issued it (c10d's in-place ``allreduce_``, functional
 collectives' ``all_reduce``, ``all_gather_into_tensor``…): :func:`collective_name` makes them one.
-Taught in notebooks/07a_zero_memory.ipynb, 07b_fsdp2.ipynb and 08_tensor_parallel.ipynb.
+Taught in notebooks/07a_zero_memory.ipynb, 07b_fsdp2.ipynb, 08a_tensor_parallel.ipynb and
+08b_tp_mesh_and_cost.ipynb.
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ def collective_counts(mode) -> dict[str, int]:
 
 
 def nbytes(t) -> int:
-    """Bytes of a tensor, or of the first tensor of a list/tuple (a collective's buffer)."""
-    t = t[0] if isinstance(t, (list, tuple)) else t
+    """Bytes of a tensor, or of the first tensor of a (nested) list/tuple (a collective's buffer:
+    c10d's ``allgather_`` takes a list of lists)."""
+    while isinstance(t, (list, tuple)):
+        t = t[0]
     return t.numel() * t.element_size()
 
 

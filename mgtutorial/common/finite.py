@@ -3,7 +3,7 @@ the step and the likely cause, instead of training on NaN and reporting success.
 
 Every training loop that logs a loss calls :func:`check_loss` once per step: chapter 02's
 :class:`~mgtutorial.ddp.trainer.Trainer` (and so every chapter that subclasses it), the pipeline
-worker of chapter 04, chapter 07's sharded loops and chapter 08's 2-D mesh. Once one step's loss
+worker of chapter 04, chapter 07's sharded loops and chapter 08b's 2-D mesh. Once one step's loss
 is NaN or infinite, every later step's is too (the weights themselves are no longer numbers), so
 nothing is lost by stopping there. Taught in notebooks/01_single_device.ipynb (the learning rate).
 """

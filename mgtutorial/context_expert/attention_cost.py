@@ -57,7 +57,7 @@ def measured(b: int, heads: int, s: int, d: int) -> dict:
 
 def scores_per_rank(b: int, heads: int, s: int, tp: int = 1, cp: int = 1, elem: int = 2) -> int:
     """Bytes of the score matrix one rank materialises for a whole attention: tensor parallelism
-    (with or without chapter 08's sequence parallelism) splits the heads, ``heads / tp``, but every
+    (with or without chapter 08a's sequence parallelism) splits the heads, ``heads / tp``, but every
     rank still scores all s queries against all s keys; context parallelism gives each rank s / cp
     of the queries. ``b·(heads/tp)·(s/cp)·s·elem``."""
     return b * (heads // tp) * (s // cp) * s * elem

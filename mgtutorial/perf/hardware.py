@@ -2,7 +2,7 @@
 network ports, and the one bandwidth model of rings inside and across nodes
 (:meth:`Hardware.ring_bw`).
 
-Taught in notebooks/08_tensor_parallel.ipynb and notebooks/09a_cost_model.ipynb (section 4); the
+Taught in notebooks/08b_tp_mesh_and_cost.ipynb and notebooks/09a_cost_model.ipynb (section 4); the
 cost model (:mod:`mgtutorial.perf.costmodel`, which re-exports these names) and
 :mod:`mgtutorial.perf.scaling` price communication with it. Units: bytes, seconds, bytes per
 second, FLOP/s.

@@ -122,7 +122,7 @@ def predict_step(
       starts and hide behind all of it (⅔ of compute);
     * fsdp2: all-gather of the parameters (compute dtype) in forward and again in backward,
       reduce-scatter of the gradients (grads dtype), prefetched, so overlapped with all of compute;
-    * tp: chapter 08's 2-D layout: TP of degree ``tp_degree`` (default ``min(n_gpus,
+    * tp: chapter 08b's 2-D layout: TP of degree ``tp_degree`` (default ``min(n_gpus,
       gpus_per_node)``, inside a node) × FSDP2 over the ``n_gpus / tp`` data-parallel ranks (one
       GPU per node each, so the node's ports are shared by ``tp`` groups). Per block 4 all-reduces
       of the TP group's activations (tokens × hidden, activations dtype) on the critical path;

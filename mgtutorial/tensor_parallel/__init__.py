@@ -1,4 +1,5 @@
-"""Chapter 08: tensor parallelism (notebooks/08_tensor_parallel.ipynb).
+"""Chapter 08: tensor parallelism (notebooks/08a_tensor_parallel.ipynb: by hand, DTensor, sequence
+parallelism; notebooks/08b_tp_mesh_and_cost.ipynb: the 2-D mesh, cost, pitfalls, the vocabulary).
 
 - ``transformer``: the unsplit block (attention, MLP, LayerNorms) and the head-count refusal
 - ``fg``: Megatron's f and g by hand, and the block split with them

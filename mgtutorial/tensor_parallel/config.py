@@ -1,9 +1,10 @@
 """The configurations of chapter 08's workers, the splits they refuse, and the tensors every rank
 draws from them (the same on every rank, so that each split can be compared with the unsplit block).
 
-Taught in notebooks/08_tensor_parallel.ipynb: :class:`TPConfig` for the 1-D worker
-(:func:`mgtutorial.tensor_parallel.worker.worker`, sections 2–5 and 8), :class:`MeshConfig` for the
-2-D mesh (:func:`mgtutorial.tensor_parallel.mesh2d.mesh_worker`, section 6). Both are checked by
+Taught in notebooks/08a_tensor_parallel.ipynb and notebooks/08b_tp_mesh_and_cost.ipynb:
+:class:`TPConfig` for the 1-D worker (:func:`mgtutorial.tensor_parallel.worker.worker`, 08a's
+sections 2–5 and 08b's 3–4), :class:`MeshConfig` for the 2-D mesh
+(:func:`mgtutorial.tensor_parallel.mesh2d.mesh_worker`, 08b's section 1). Both are checked by
 :func:`mgtutorial.launch` before any rank starts.
 """
 
@@ -38,8 +39,8 @@ class TPConfig(Config):
     backend: BackendChoice = "auto"
     """The process group's backend; "auto" is NCCL with a GPU per rank, else gloo."""
     extras: bool = True
-    """Also run the pitfalls and loss parallelism (sections 8–9) after the splits; exercise
-    08.1's checker, which reads only the splits' counts, turns them off."""
+    """Also run the pitfalls and loss parallelism (08b's sections 3–4) after the splits; exercise
+    08a.1's checker, which reads only the splits' counts, turns them off."""
 
     def validate(self, nprocs: int) -> None:
         """Called by :func:`mgtutorial.launch` before any rank starts, with ``nprocs`` the TP

@@ -1,7 +1,7 @@
 """What tensor parallelism moves in one training step, against data parallelism, from the sizes of
 the block of :mod:`mgtutorial.tensor_parallel.transformer` (pure arithmetic, no process).
 
-Taught in notebooks/08_tensor_parallel.ipynb (section 7, and exercise 09b.3); the link speeds and
+Taught in notebooks/08b_tp_mesh_and_cost.ipynb (section 2, and exercise 09b.3); the link speeds and
 peak FLOP/s it is compared with are :data:`mgtutorial.perf.costmodel.H100`'s, and the bytes per
 element come from the course's one dtype table, :class:`mgtutorial.perf.costmodel.Dtypes`.
 """

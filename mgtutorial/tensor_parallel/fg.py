@@ -2,7 +2,7 @@
 :mod:`mgtutorial.tensor_parallel.transformer` split with them (the MLP by its inner features,
 attention by heads), every all-reduce counted.
 
-Taught in notebooks/08_tensor_parallel.ipynb (sections 2 and 3). Follows Megatron-LM (Shoeybi et
+Taught in notebooks/08a_tensor_parallel.ipynb (sections 2 and 3). Follows Megatron-LM (Shoeybi et
 al., 2019, §3: the operators f and g) and
 https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce. The same split with
 DTensor is in :mod:`mgtutorial.tensor_parallel.plans`; the worker that checks both against the

@@ -1,7 +1,7 @@
 """Vocabulary-parallel embedding and head, and loss parallelism: the cross-entropy computed on
 logits sharded over the vocabulary, never gathered, equal to one process.
 
-Taught in notebooks/08_tensor_parallel.ipynb (section 9). Follows
+Taught in notebooks/08b_tp_mesh_and_cost.ipynb (section 4). Follows
 https://pytorch.org/docs/stable/distributed.tensor.parallel.html (``loss_parallel``,
 ``RowwiseParallel`` on an ``nn.Embedding`` shards its vocabulary rows, ``ColwiseParallel`` with
 ``output_layouts=Shard(-1)`` keeps the logits sharded) and torchtitan's plan for the token

@@ -2,7 +2,7 @@
 one process, and the layout of each rank's shards (which elements of each weight it holds, and a
 figure of it).
 
-Taught in notebooks/08_tensor_parallel.ipynb (section 6). Follows
+Taught in notebooks/08b_tp_mesh_and_cost.ipynb (section 1). Follows
 https://pytorch.org/docs/stable/distributed.tensor.parallel.html,
 https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html and
 https://pytorch.org/tutorials/intermediate/TP_tutorial.html (2-D parallelism).

@@ -3,7 +3,7 @@ divided, ``clip_grad_norm_`` and foreach optimizers over a mix of DTensors and p
 dropout randomness that must agree (replicated activations) or differ (sharded ones) across TP
 ranks.
 
-Taught in notebooks/08_tensor_parallel.ipynb (section 8). Follows
+Taught in notebooks/08b_tp_mesh_and_cost.ipynb (section 3). Follows
 https://pytorch.org/docs/stable/distributed.tensor.parallel.html,
 https://pytorch.org/docs/stable/generated/torch.nn.utils.clip_grad_norm_.html and Megatron-LM's
 ``model_parallel_cuda_manual_seed`` (one seed shared by a TP group, one per TP rank for sharded

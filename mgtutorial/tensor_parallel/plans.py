@@ -2,7 +2,7 @@
 plan of parallel styles (``ColwiseParallel``, ``RowwiseParallel``, ``PrepareModuleInput``,
 ``SequenceParallel``) that ``parallelize_module`` applies over a 1-D device mesh.
 
-Taught in notebooks/08_tensor_parallel.ipynb (sections 4 and 5). Follows
+Taught in notebooks/08a_tensor_parallel.ipynb (sections 4 and 5). Follows
 https://pytorch.org/docs/stable/distributed.tensor.parallel.html and
 https://pytorch.org/tutorials/intermediate/TP_tutorial.html. After ``parallelize_module`` each
 weight is a DTensor: ``Shard(0)`` for the column-parallel ones, ``Shard(1)`` for the row-parallel

@@ -1,7 +1,7 @@
 """The unsplit transformer block that chapter 08 splits: pre-norm attention and MLP with residuals,
 and the refusal of a head count that a TP degree cannot split.
 
-Taught in notebooks/08_tensor_parallel.ipynb (section 1). Every split of the chapter (by hand in
+Taught in notebooks/08a_tensor_parallel.ipynb (section 1). Every split of the chapter (by hand in
 :mod:`mgtutorial.tensor_parallel.fg`, with DTensor in :mod:`mgtutorial.tensor_parallel.plans`) is
 compared with this block, built from the same seed on every rank.
 

@@ -4,7 +4,8 @@
 the rank against the unsplit block with every collective counted; then the pitfalls
 (:mod:`mgtutorial.tensor_parallel.pitfalls`) on the same mesh.
 
-Taught in notebooks/08_tensor_parallel.ipynb (sections 2–5 and 8). Follows
+Taught in notebooks/08a_tensor_parallel.ipynb (sections 2–5) and
+notebooks/08b_tp_mesh_and_cost.ipynb (its first run; sections 3 and 4). Follows
 https://pytorch.org/docs/stable/distributed.tensor.parallel.html and
 https://pytorch.org/docs/stable/distributed.tensor.html#debugging (``CommDebugMode``, through
 :func:`mgtutorial.common.compare.counted`). Started from a notebook on two ranks with

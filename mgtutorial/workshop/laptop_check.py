@@ -66,7 +66,7 @@ class CheckConfig(Config):
     """Options of the laptop check (``python -m mgtutorial check --help``); see :meth:`validate`."""
 
     nprocs: int = 2
-    """Ranks the rank check starts (2 as in most chapters; 4 for the 2×2 meshes of chapter 08)."""
+    """Ranks the rank check starts (2 as in most chapters; 4 for the 2×2 mesh of chapter 08b)."""
     timeout_s: float = 20.0
     """Seconds the ranks may take to start, all-reduce and finish before the check fails."""
     master_port: int | None = None

@@ -1,4 +1,4 @@
-"""Checker of exercise 08.1 (notebooks/08_tensor_parallel.ipynb): predict the collectives of a
+"""Checker of exercise 08a.1 (notebooks/08a_tensor_parallel.ipynb): predict the collectives of a
 wider split block, and the bytes each one moves, before the chapter's worker counts them.
 """
 
@@ -9,14 +9,14 @@ from mgtutorial.tensor_parallel import config, worker
 
 
 def counts(predicted: dict) -> None:
-    """08.1: ``predicted`` = {"forward", "backward": all-reduces of the hand-split block (ints),
+    """08a.1: ``predicted`` = {"forward", "backward": all-reduces of the hand-split block (ints),
     "all_reduce_bytes": bytes of each DTensor all-reduce (int), "all_gather_bytes": [bytes in, out]
     of each sequence-parallel all-gather} for ``TPConfig(h=32, n_heads=8, batch=3, seq=4)`` on 2
     ranks.
 
     Launches the chapter's worker (:func:`mgtutorial.tensor_parallel.worker.worker`) and compares.
     """
-    ex = "08.1 counts and bytes"
+    ex = "08a.1 counts and bytes"
     guess = {
         k: answered(predicted.get(k), ex, f'predicted["{k}"]')
         for k in ("forward", "backward", "all_reduce_bytes", "all_gather_bytes")

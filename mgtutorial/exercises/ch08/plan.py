@@ -1,14 +1,16 @@
-"""Checker of exercise 08.4 (notebooks/08_tensor_parallel.ipynb): write the sequence-parallel
-DTensor plan of a Llama-style block (gated MLP, torchtitan's module names), reached as
-``ex.ch08.block_plan``.
+"""Checker of exercise 08b.1 (notebooks/08b_tp_mesh_and_cost.ipynb): write the sequence-parallel
+DTensor plan of a Llama-style block (grouped-query attention, gated MLP, torchtitan's module
+names) and the heads each rank then holds, reached as ``ex.ch08.block_plan``.
 
-The learner's ``block_plan()`` returns a ``parallelize_module`` plan. The checker looks at it in
-the kernel first (every linear named, each split the right way), then applies it in 2 ranks
-(:func:`plan_worker`) to a copy of :class:`GatedBlock` and compares the output, the input's
-gradient and every parameter's gradient with the unsplit block, and counts the collectives of
-forward and backward with ``CommDebugMode``. Follows PyTorch's own
-test/distributed/tensor/parallel/test_tp_examples.py (a Llama block's plan with
-``SequenceParallel`` and ``PrepareModuleInput``).
+The learner's ``block_plan()`` returns a ``parallelize_module`` plan and ``heads_per_rank(n_heads,
+n_kv_heads, tp)`` the query and key/value heads of one rank. The checker looks at both in the
+kernel first (every linear named, each split the right way; the heads matching the features a
+rank holds), then applies them in 2 ranks (:func:`plan_worker`) to a copy of :class:`GatedBlock`
+and compares the output, the input's gradient and every parameter's gradient with the unsplit
+block, and counts the collectives of forward and backward with ``CommDebugMode``. Follows
+PyTorch's own test/distributed/tensor/parallel/test_tp_examples.py (a Llama block's plan with
+``SequenceParallel`` and ``PrepareModuleInput``) and torchtitan's Llama attention
+(``n_kv_heads``, ``repeat_kv``).
 """
 
 from __future__ import annotations
@@ -31,11 +33,39 @@ from mgtutorial.exercises._common import (
     run_ranks,
 )
 from mgtutorial.runtime import env
-from mgtutorial.tensor_parallel.transformer import Attention
 from mgtutorial.tensor_parallel.worker import forward_backward
 
-H, HEADS, FFN, BATCH, SEQ = 16, 4, 32, 2, 8
+H, HEADS, KV_HEADS, FFN, BATCH, SEQ = 16, 4, 2, 32, 2, 8
 TOL = 1e-5
+EX = "08b.1 a plan for a Llama-style block"
+
+
+class GQAttention(nn.Module):
+    """Causal grouped-query attention: ``n_heads`` query heads of ``h / n_heads`` features share
+    ``n_kv_heads`` key/value heads, query heads ``j·g … (j + 1)·g − 1`` (``g = n_heads /
+    n_kv_heads``) reading key/value head ``j``; ``(b, s, h) → (b, s, h)``, no biases.
+    ``forward`` reshapes with ``self.n_heads`` and ``self.n_kv_heads``: after tensor parallelism,
+    the heads of this rank."""
+
+    def __init__(self, h: int, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, h // n_heads
+        self.wq = nn.Linear(h, h, bias=False)
+        self.wk = nn.Linear(h, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(h, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(h, h, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = (
+            w(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            for w in (self.wk, self.wv)
+        )
+        g = self.n_heads // self.n_kv_heads  # query heads per key/value head
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class GatedMLP(nn.Module):
@@ -52,12 +82,15 @@ class GatedMLP(nn.Module):
 
 
 class GatedBlock(nn.Module):
-    """A Llama-style pre-norm block with torchtitan's names: ``x + attention(attention_norm(x))``,
-    then ``x + feed_forward(ffn_norm(x))``; ``(b, s, h)`` in and out."""
+    """A Llama-style pre-norm block with torchtitan's names: ``x + attention(attention_norm(x))``
+    (grouped-query), then ``x + feed_forward(ffn_norm(x))`` (gated); ``(b, s, h)`` in and out."""
 
-    def __init__(self, h: int = H, n_heads: int = HEADS, ffn: int = FFN):
+    def __init__(
+        self, h: int = H, n_heads: int = HEADS, n_kv_heads: int = KV_HEADS, ffn: int = FFN
+    ):
         super().__init__()
-        self.attention_norm, self.attention = nn.LayerNorm(h), Attention(h, n_heads)
+        self.attention_norm = nn.LayerNorm(h)
+        self.attention = GQAttention(h, n_heads, n_kv_heads)
         self.ffn_norm, self.feed_forward = nn.LayerNorm(h), GatedMLP(h, ffn)
 
     def forward(self, x):
@@ -123,6 +156,7 @@ def plan_worker(cfg: FileWorkerConfig) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan_fn = function_from(cfg.path, "block_plan")
+    heads_fn = function_from(cfg.path, "heads_per_rank")
     with env.distributed(cfg.backend) as ctx:
         r, tp = ctx.rank, ctx.world_size
         env.seed_everything(0)
@@ -131,7 +165,8 @@ def plan_worker(cfg: FileWorkerConfig) -> dict:
         want, want_dx, _ = forward_backward(ref, x, dy)
         mesh = init_device_mesh(ctx.device.type, (tp,), mesh_dim_names=("tp",))
         block = parallelize_module(copy.deepcopy(ref), mesh, plan_fn())
-        block.attention.n_heads //= tp  # this rank's heads, as plans.fix_heads does
+        attn = block.attention  # this rank's heads, as plans.fix_heads sets them
+        attn.n_heads, attn.n_kv_heads = heads_fn(HEADS, KV_HEADS, tp)
 
         def part(t):  # this rank's s / tp tokens
             return t.chunk(tp, dim=1)[r]
@@ -151,15 +186,46 @@ def plan_worker(cfg: FileWorkerConfig) -> dict:
         return {"counts": counts, "diffs": diffs, "output_shape": list(out.shape)}
 
 
-def block_plan(path: str = "ex08_plan.py") -> None:
-    """08.4: ``block_plan()`` in ``path`` returns the ``parallelize_module`` plan that splits
+HEAD_CASES = {(4, 2, 2): (2, 1), (8, 2, 2): (4, 1), (8, 4, 4): (2, 1), (8, 8, 4): (2, 2)}
+"""(n_heads, n_kv_heads, tp) → the (query, key/value) heads of one rank."""
+
+
+def _check_heads(ex: str, fn) -> None:
+    """Refuse, before any rank starts, a ``heads_per_rank`` that does not match the features a
+    rank holds after ``ColwiseParallel`` on wq, wk and wv."""
+    for (n_heads, n_kv, tp), want in HEAD_CASES.items():
+        got = attempt(ex, fn, n_heads, n_kv, tp)
+        call = f"heads_per_rank({n_heads}, {n_kv}, {tp})"
+        require(
+            isinstance(got, (tuple, list)) and len(got) == 2,
+            ex,
+            f"{call} returned {got!r}, not a pair (query heads, key/value heads)",
+        )
+        require(
+            got[0] == want[0],
+            ex,
+            f"{call} gives {got[0]} query heads: after the split each rank holds 1/{tp} of wq's "
+            "output features; how many whole heads is that?",
+        )
+        require(
+            got[1] == want[1],
+            ex,
+            f"{call} gives {got[1]} key/value heads: wk and wv are split too, so each rank "
+            "holds 1/tp of their output features; how many key/value heads is that?",
+        )
+
+
+def block_plan(path: str = "ex08b_plan.py") -> None:
+    """08b.1: ``block_plan()`` in ``path`` returns the ``parallelize_module`` plan that splits
     :class:`GatedBlock` with sequence parallelism: the block's input and output are this rank's
-    ``s / tp`` tokens (``Shard(1)``). On 2 ranks the output, the input's gradient and every
-    parameter's gradient must equal the unsplit block's, with 2 all-gathers and 2 reduce-scatters
-    in forward and again in backward (``CommDebugMode``)."""
-    ex = "08.4 a plan for a block"
+    ``s / tp`` tokens (``Shard(1)``); ``heads_per_rank(n_heads, n_kv_heads, tp)`` returns the
+    (query, key/value) heads of one rank (checked on :data:`HEAD_CASES`). On 2 ranks the output,
+    the input's gradient and every parameter's gradient must equal the unsplit block's, with 2
+    all-gathers and 2 reduce-scatters in forward and again in backward (``CommDebugMode``)."""
+    ex = EX
     plan = attempt(ex, function_from(path, "block_plan", ex))
     _check_plan(ex, plan)
+    _check_heads(ex, function_from(path, "heads_per_rank", ex))
     cfg = FileWorkerConfig(path=str(Path(path).resolve()), function="block_plan", backend="gloo")
     values = run_ranks(ex, plan_worker, cfg, 2, timeout_s=60, name=Path(path).stem).values
     for rank, v in sorted(values.items()):
@@ -207,7 +273,7 @@ def block_plan(path: str = "ex08_plan.py") -> None:
             )
     passed(
         ex,
-        f"your plan splits the Llama-style block on 2 ranks: output and every gradient == the "
-        f"unsplit block (max |Δ| < {TOL:.0e}), 2 all-gathers + 2 reduce-scatters in forward and "
-        "in backward",
+        "your plan and heads split the grouped-query block on 2 ranks: output and every "
+        f"gradient == the unsplit block (max |Δ| < {TOL:.0e}), 2 all-gathers + 2 reduce-scatters "
+        "in forward and in backward",
     )

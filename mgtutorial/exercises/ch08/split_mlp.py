@@ -1,17 +1,13 @@
-"""The rank side of exercises 08.2 and 08.3 (notebooks/08_tensor_parallel.ipynb): the chapter's
-hand-split MLP (:class:`mgtutorial.tensor_parallel.fg.HandTPMLP`) with the learner's f and g, or
-the learner's forward, compared in each rank with the unsplit MLP (output, input gradient, every
-parameter's gradient) and with every collective counted (``CommDebugMode``).
+"""The rank side of exercise 08a.3 (notebooks/08a_tensor_parallel.ipynb): the chapter's hand-split
+MLP (:class:`mgtutorial.tensor_parallel.fg.HandTPMLP`) with the learner's forward, compared in
+each rank with the unsplit MLP (output, input gradient, every parameter's gradient).
 """
 
 from __future__ import annotations
 
 import functools
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-from unittest import mock
 
 import torch
 from torch.nn import functional as F
@@ -29,10 +25,8 @@ class SplitMLPConfig(Config):
     """Configuration of :func:`split_mlp_worker`."""
 
     path: str
-    """The learner's module (absolute path)."""
-    mode: Literal["fg", "forward"] = "fg"
-    """"fg": the module's ``CopyToTP`` and ``ReduceFromTP`` replace the chapter's in ``HandTPMLP``;
-    "forward": the module's ``forward(m, x)`` replaces ``HandTPMLP.forward``."""
+    """The learner's module (absolute path): its ``forward(m, x)`` replaces
+    ``HandTPMLP.forward``."""
     h: int = 16
     """Hidden size."""
     ffn: int = 32
@@ -52,27 +46,13 @@ def ratio(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a * b).sum() / (b * b).sum())
 
 
-def spy_all_reduce(group, seen: list):
-    """``dist.all_reduce`` that appends to ``seen`` whether each call passed ``group``."""
-    real = torch.distributed.all_reduce
-
-    def all_reduce(tensor, *args, **kwargs):  # all_reduce(tensor, op, group, async_op)
-        seen.append(kwargs.get("group", args[1] if len(args) > 1 else None) is group)
-        return real(tensor, *args, **kwargs)
-
-    return all_reduce
-
-
 def split_mlp_worker(cfg: SplitMLPConfig) -> dict:
-    """Run the hand-split MLP with the learner's pieces and the unsplit MLP on the same input.
+    """Run the hand-split MLP with the learner's forward and the unsplit MLP on the same input.
 
-    The split MLP is built on an explicit group (``dist.new_group`` of all ranks), and every
-    ``dist.all_reduce`` call is watched for it. Returns {"output", "x.grad", "w1", "b1", "w2", "b2":
-    [max |split − unsplit|, least-squares ratio split / unsplit]}, "partial_sum" (max |output − this
-    rank's partial sum + b2|, i.e. the output had g not summed), "local_dx" (max |x.grad − this
-    rank's share of it|, i.e. the gradient had f not summed), "bias_copies" (least-squares k in
-    output − unsplit = (k − 1)·b2), "other_group" (all-reduce calls not given the group) and
-    "counts" ({"forward", "backward": {collective: calls}}, from ``CommDebugMode``).
+    The split MLP is built on an explicit group (``dist.new_group`` of all ranks). Returns
+    {"output", "x.grad", "w1", "b1", "w2", "b2": [max |split − unsplit|, least-squares ratio split
+    / unsplit]}, "partial_sum" (max |output − this rank's partial sum + b2|, i.e. the output had g
+    not summed) and "bias_copies" (least-squares k in output − unsplit = (k − 1)·b2).
     """
     with env.distributed(cfg.backend) as ctx:
         env.seed_everything(cfg.seed)
@@ -81,37 +61,23 @@ def split_mlp_worker(cfg: SplitMLPConfig) -> dict:
         split = fg.HandTPMLP(ref, ctx.rank, ctx.world_size, group=group)
         x, dy = (t.to(ctx.device) for t in config.inputs(cfg))
         want, want_dx, _ = worker.forward_backward(ref, x, dy)
-        seen = []
-        with ExitStack() as stack:
-            spy = spy_all_reduce(group, seen)
-            stack.enter_context(mock.patch.object(torch.distributed, "all_reduce", spy))
-            if cfg.mode == "fg":
-                module = import_file(cfg.path)
-                for name in ("CopyToTP", "ReduceFromTP"):
-                    stack.enter_context(mock.patch.object(fg, name, getattr(module, name)))
-            else:
-                split.forward = functools.partial(function_from(cfg.path, "forward"), split)
-            out, dx, c = worker.forward_backward(split, x, dy)
+        split.forward = functools.partial(function_from(cfg.path, "forward"), split)
+        out, dx, _ = worker.forward_backward(split, x, dy)
         result = {"output": (out, want), "x.grad": (dx, want_dx)}
         for name, p in split.named_parameters():
             full = ref.get_parameter(fg.unsplit_name(name)).grad
             result[name] = (p.grad, fg.hand_shard(name, full, ctx.rank, ctx.world_size))
-        xl = x.clone().requires_grad_()
-        partial = F.linear(F.gelu(F.linear(xl, split.w1, split.b1)), split.w2)
-        (local_dx,) = torch.autograd.grad((partial * dy).sum(), xl)
+        partial = F.linear(F.gelu(F.linear(x, split.w1, split.b1)), split.w2)
         return {
             **{k: [float((a - b).abs().max()), ratio(a, b)] for k, (a, b) in result.items()},
             "partial_sum": float((out - partial - split.b2).abs().max()),
-            "local_dx": float((dx - local_dx).abs().max()),
             "bias_copies": 1 + ratio(out - want, split.b2.detach().expand_as(out)),
-            "other_group": seen.count(False),
-            "counts": {k: c[k] for k in ("forward", "backward")},
         }
 
 
-def run_split(ex: str, path: str, mode: str) -> dict:
+def run_split(ex: str, path: str) -> dict:
     """Run :func:`split_mlp_worker` on 2 ranks with the learner's module at ``path``; returns
     {rank: its values}. A syntax error or a missing file is named before any rank starts."""
     import_file(path, ex)
-    cfg = SplitMLPConfig(path=str(Path(path).resolve()), mode=mode)
+    cfg = SplitMLPConfig(path=str(Path(path).resolve()))
     return run_ranks(ex, split_mlp_worker, cfg, 2, name="split_mlp").values

@@ -1,0 +1,198 @@
+"""What DDP adds to a step, op by op (chapter 09b): one rank's steps profiled with
+``torch.profiler``, plain in lockstep (a barrier after each step) and wrapped in DDP (the same
+barrier), on the same model and batch; the ops that DDP adds or calls more often, with their
+calls and self CPU time per step, all the process's threads together (gloo's included).
+
+Taught in notebooks/09b_measurement.ipynb (section 1); called as ``sweeps.ddp_ops_worker``
+(re-exported by :mod:`mgtutorial.perf.sweeps`). Follows
+https://pytorch.org/docs/stable/notes/ddp.html and
+https://pytorch.org/docs/stable/profiler.html.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mgtutorial.common.config import Config
+from mgtutorial.runtime import env
+
+GROUPS = (
+    ("the all-reduces' launches (c10d::allreduce_, DDP's hook)", ("c10d::allreduce_",)),
+    (
+        "DDP's own ops (forward, bucket copies, averaging, casts)",
+        (
+            "DistributedDataParallel",
+            "reducer",
+            "aten::copy_",
+            "aten::mul",
+            "aten::_to_copy",
+            "aten::to",
+            "aten::as_strided",
+            "aten::empty_strided",
+            "aten::div",
+        ),
+    ),
+)
+"""How :func:`group_of` files an op that DDP adds, by its name (first match wins)."""
+SHARED = "the ops both steps run (forward, backward, optimizer, barrier), DDP − lockstep"
+
+
+@dataclass(kw_only=True)
+class OpsConfig(Config):
+    """Configuration of :func:`ddp_ops_worker`."""
+
+    batch_size: int = 32
+    """Images per step and rank (chapter 01's CNN, 3×32×32)."""
+    warmup: int = 3
+    """Untimed steps of each variant first (DDP rebuilds its buckets after its first step)."""
+    steps: int = 6
+    """Profiled steps of each variant in each of ``rounds`` rounds; every figure is per step."""
+    rounds: int = 2
+    """Rounds of (lockstep, DDP), in turn, so that a change of load touches both alike."""
+
+    def validate(self, nprocs: int | None = None) -> None:
+        """Raises ValueError for a batch size, steps or rounds < 1, or a warm-up below 2."""
+        super().validate(nprocs)
+        if min(self.batch_size, self.steps, self.rounds) < 1 or self.warmup < 2:
+            raise ValueError(
+                f"batch_size={self.batch_size}, warmup={self.warmup}, steps={self.steps}, "
+                f"rounds={self.rounds}: need warmup ≥ 2 (DDP's buckets are rebuilt after step "
+                "1) and the others ≥ 1."
+            )
+
+
+def thread_tables(events) -> dict:
+    """{"training", "gloo": {op name: [calls, self seconds]}} from a profiler's ``events()``: a
+    thread that ran any ``gloo:`` op is one of gloo's; the training thread is the thread with the
+    most events among the others (the profiler's own thread has one)."""
+    by_thread: dict = {}
+    for e in events:
+        by_thread.setdefault(e.thread, []).append(e)
+    gloo = {t for t, es in by_thread.items() if any(e.name.startswith("gloo:") for e in es)}
+    rest = [t for t in by_thread if t not in gloo]
+    training = max(rest, key=lambda t: len(by_thread[t])) if rest else None
+    out: dict = {"training": {}, "gloo": {}}
+    for t, es in by_thread.items():
+        table = out["gloo"] if t in gloo else out["training"] if t == training else None
+        for e in es if table is not None else ():
+            row = table.setdefault(e.name, [0, 0.0])
+            row[0] += 1
+            row[1] += e.self_cpu_time_total / 1e6
+    return out
+
+
+def ddp_ops_worker(cfg: OpsConfig) -> dict:
+    """Profile (``torch.profiler``, CPU) ``cfg.rounds`` rounds of ``cfg.steps`` steps of the plain
+    model in lockstep, then of the same model in DDP, each step followed by a barrier (for DDP it
+    stands for the logging's all-reduce of the loss), after ``cfg.warmup`` untimed steps of each.
+
+    Returns {"lockstep", "ddp": {"training", "gloo": {op: (calls, self s) per step}, "step_s":
+    wall seconds per step (``perf_counter`` around the profiled steps, profiler's overhead
+    included)}, "rank", "batch_size", "steps"}. The profiler's self time is the time on its thread
+    inside the op and not in a child op: wall time, waiting for a core included.
+    """
+    import time
+
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.profiler import ProfilerActivity, profile
+
+    from mgtutorial.common import models
+
+    with env.distributed("gloo", num_threads=1) as ctx:
+        torch.manual_seed(0)
+        plain = models.ArticleCNN(in_shape=(3, 32, 32))
+        wrapped = DistributedDataParallel(models.ArticleCNN(in_shape=(3, 32, 32)))
+        x = torch.randn(cfg.batch_size, 3, 32, 32)
+        y = torch.randint(0, 10, (cfg.batch_size,))
+        steps = {}
+        for name, model in (("lockstep", plain), ("ddp", wrapped)):
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+            def step(model=model, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                dist.barrier()
+
+            for _ in range(cfg.warmup):
+                step()
+            steps[name] = step
+        total = {m: {"training": {}, "gloo": {}, "step_s": 0.0} for m in steps}
+        for _ in range(cfg.rounds):
+            for name, step in steps.items():
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    t0 = time.perf_counter()
+                    for _ in range(cfg.steps):
+                        step()
+                    total[name]["step_s"] += time.perf_counter() - t0
+                for where, table in thread_tables(prof.events()).items():
+                    for op, (calls, self_s) in table.items():
+                        c, s = total[name][where].get(op, (0, 0.0))
+                        total[name][where][op] = (c + calls, s + self_s)
+        n = cfg.steps * cfg.rounds
+        per_step = {
+            m: {
+                "step_s": t["step_s"] / n,
+                **{
+                    w: {op: (c / n, s / n) for op, (c, s) in t[w].items()}
+                    for w in ("training", "gloo")
+                },
+            }
+            for m, t in total.items()
+        }
+        return {"rank": ctx.rank, "batch_size": cfg.batch_size, "steps": n, **per_step}
+
+
+def group_of(name: str) -> str:
+    """The group of :data:`GROUPS` an op that DDP adds falls in, or "other"."""
+    return next((g for g, keys in GROUPS if any(k in name for k in keys)), "other")
+
+
+def breakdown(lockstep: dict, ddp: dict) -> dict:
+    """What DDP adds to the training thread's step, per step (s), from two of
+    :func:`ddp_ops_worker`'s tables (``"lockstep"`` and ``"ddp"``).
+
+    Returns {"added_ops": [{"name", "group", "calls", "self_s"}] for every op DDP calls more
+    often (calls and self time DDP − lockstep, largest time first), "groups": {group: (calls,
+    self s)} over those rows, with :data:`SHARED` (the ops called as often in both: their time
+    difference), "accounted_s" (the sum of the groups), "measured_s" (step_s, DDP − lockstep),
+    "unaccounted_s" (measured − accounted: time on the training thread outside any op, or off
+    it), "gloo": {op: (calls, self s) per step, DDP − lockstep} on gloo's threads}.
+    """
+    t_lock, t_ddp = lockstep["training"], ddp["training"]
+    rows, shared = [], 0.0
+    for name in sorted(set(t_ddp) | set(t_lock)):
+        (dc, ds), (lc, ls) = t_ddp.get(name, (0.0, 0.0)), t_lock.get(name, (0.0, 0.0))
+        if dc > lc:
+            rows.append(
+                {"name": name, "group": group_of(name), "calls": dc - lc, "self_s": ds - ls}
+            )
+        else:
+            shared += ds - ls
+    rows.sort(key=lambda r: -r["self_s"])
+    groups = {g: (0.0, 0.0) for g, _ in GROUPS} | {"other": (0.0, 0.0)}
+    for r in rows:
+        c, s = groups[r["group"]]
+        groups[r["group"]] = (c + r["calls"], s + r["self_s"])
+    groups = {g: v for g, v in groups.items() if v != (0.0, 0.0)} | {SHARED: (0.0, shared)}
+    accounted = sum(s for _, s in groups.values())
+    measured = ddp["step_s"] - lockstep["step_s"]
+    g_lock, g_ddp = lockstep["gloo"], ddp["gloo"]
+    gloo = {
+        op: (
+            g_ddp.get(op, (0, 0.0))[0] - g_lock.get(op, (0, 0.0))[0],
+            g_ddp.get(op, (0, 0.0))[1] - g_lock.get(op, (0, 0.0))[1],
+        )
+        for op in sorted(set(g_ddp) | set(g_lock))
+    }
+    return {
+        "added_ops": rows,
+        "groups": groups,
+        "accounted_s": accounted,
+        "measured_s": measured,
+        "unaccounted_s": measured - accounted,
+        "gloo": gloo,
+    }

@@ -1,5 +1,5 @@
 """The layout memory model (mgtutorial/perf/layout.py) and the rooflines (roofline.py) by hand,
-and exercise 09a.4's checker catching the classic wrong estimates without printing the expected
+and exercise 09a.3's checker catching the classic wrong estimates without printing the expected
 value."""
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def test_layout_checker_wants_a_fitting_layout_with_fewest_gpus_per_replica(caps
     with pytest.raises(ExerciseError, match="a dict"):
         ex.layout_choice(right, eager[0])
     ex.layout_choice(right, {"eager": eager[0], "sdpa": sdpa[0]})
-    assert capsys.readouterr().out.startswith("✓ 09a.4 layout")
+    assert capsys.readouterr().out.startswith("✓ 09a.3 layout")
 
 
 def test_sdpa_drops_the_scores_term_only():

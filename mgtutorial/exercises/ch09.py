@@ -1,25 +1,22 @@
 """Checkers of chapter 09's exercises: in notebooks/09a_cost_model.ipynb a ring all-reduce
 (09a.1), what timers report for a short kernel on a simulated GPU and one that is right (09a.2, in
-:mod:`mgtutorial.exercises.ch09_timing`), the explorer's question (09a.3) and a layout that fits
-a memory budget (09a.4, in :mod:`mgtutorial.exercises.ch09_layout`); in
+:mod:`mgtutorial.exercises.ch09_timing`) and a layout that fits a memory budget (09a.3, in
+:mod:`mgtutorial.exercises.ch09_layout`); in
 notebooks/09b_measurement.ipynb the exposed all-reduce of a DDP step with one worker and with two
 (09b.1), DDP's buckets for a tiny cap (09b.2, in :mod:`mgtutorial.exercises.ch09_buckets`) and the
 closed form of TP's communication over compute with its crossovers (09b.3, in
-:mod:`mgtutorial.exercises.ch09_crossover`); all seven are reached as ``ex.ch09.<checker>``.
+:mod:`mgtutorial.exercises.ch09_crossover`); all six are reached as ``ex.ch09.<checker>``.
 
 Nothing here asserts on a measured duration: 09a.1 runs the learner's ring on made-up chunks;
-09a.3, 09b.1 and 09b.3 compare with :mod:`mgtutorial.perf.costmodel`,
-:mod:`mgtutorial.perf.scaling` and :mod:`mgtutorial.tensor_parallel.cost` (09b.1 and 09b.3 refuse
+09a.3 compares with :mod:`mgtutorial.perf.layout`, 09b.1 and 09b.3 with
+:mod:`mgtutorial.perf.costmodel` and :mod:`mgtutorial.tensor_parallel.cost` (09b.1 and 09b.3 refuse
 a learner's function that calls them), 09b.2 with the buckets a real DDP run reports; 09a.2 runs
 the learner's timer against a simulated GPU on a fake clock.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from mgtutorial.exercises._common import (
-    answered,
     attempt,
     attempt_by_hand,
     close,
@@ -30,7 +27,7 @@ from mgtutorial.exercises.ch09_buckets import CAP_MB, buckets
 from mgtutorial.exercises.ch09_crossover import LINKS, N_HEADS, PCIE_BW, crossover
 from mgtutorial.exercises.ch09_layout import layout_choice
 from mgtutorial.exercises.ch09_timing import GPU, FakeGPU, sloppy_time, timing
-from mgtutorial.perf import costmodel, scaling
+from mgtutorial.perf import costmodel
 
 __all__ = [
     "BUCKETS",
@@ -46,8 +43,6 @@ __all__ = [
     "FakeGPU",
     "buckets",
     "crossover",
-    "explorer",
-    "explorer_efficiency",
     "exposed",
     "layout_choice",
     "ring",
@@ -203,67 +198,4 @@ def exposed(fn) -> None:
         ex,
         f"the chapter's two buckets expose {two[0]:.3f} ms with one worker and {two[1]:.3f} ms "
         "with two; one bucket exposes all of α + β·S, whatever the workers",
-    )
-
-
-# --- 09a.3 ---------------------------------------------------------------------------------------
-
-
-def explorer_efficiency(ports: int = 1, link_gbs: float | None = None) -> float:
-    """The predicted efficiency in the explorer's initial setting (Ψ = 1.2 B, DDP, 64 GPUs, one
-    sequence of 2048 tokens per GPU) with ``ports`` per node, or every link at ``link_gbs``."""
-    model = scaling.Transformer(layers=24, hidden=int((1.2e9 / (12 * 24)) ** 0.5))
-    hw = dataclasses.replace(costmodel.H100, nics_per_node=ports)
-    link_bw = link_gbs and link_gbs * 1e9
-    return scaling.predict_step("ddp", model, 64, 2048, hw, link_bw=link_bw)["efficiency"]
-
-
-PORTS_TARGET = 0.75
-"""09a.3's efficiency for the port count (no count up to 8 reaches 0.9 with fp32 gradients)."""
-
-
-def explorer(ports=..., link_gbs=...) -> None:
-    """09a.3: ``ports`` (int), the fewest InfiniBand ports per node with predicted efficiency ≥
-    :data:`PORTS_TARGET`, and ``link_gbs`` (float, GB/s), the bandwidth of every link below which
-    it drops under 0.9 (within 1 %), in the explorer's initial setting; compared with
-    :func:`mgtutorial.perf.scaling.predict_step`."""
-    ex = "09a.3 explorer"
-    ports, link_gbs = answered(ports, ex, "ports"), answered(link_gbs, ex, "link_gbs")
-    require(
-        isinstance(ports, int) and 1 <= ports <= 8,
-        ex,
-        f"ports = {ports!r}: an int from 1 to 8 (a DGX H100 has 8)",
-    )
-    eff = explorer_efficiency(ports=ports)
-    require(
-        eff >= PORTS_TARGET,
-        ex,
-        f"with {ports} port(s) per node the predicted efficiency is {eff:.0%}, below "
-        f"{PORTS_TARGET:.0%}",
-    )
-    require(
-        ports == 1 or explorer_efficiency(ports=ports - 1) < PORTS_TARGET,
-        ex,
-        f"a smaller count than {ports} already reaches {PORTS_TARGET:.0%}: look for fewer",
-    )
-    lo, hi = 1.0, 900.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if explorer_efficiency(link_gbs=mid) < 0.9 else (lo, mid)
-    require(
-        isinstance(link_gbs, (int, float)) and link_gbs > 0,
-        ex,
-        f"link_gbs = {link_gbs!r}: a bandwidth in GB/s (> 0)",
-    )
-    require(
-        close(link_gbs, hi, rel=0.01),
-        ex,
-        f"at link_gbs = {link_gbs!r} the predicted efficiency is "
-        f"{explorer_efficiency(link_gbs=float(link_gbs)):.1%}: the threshold is where it "
-        "crosses 90 %; bisect between a bandwidth below it and one above",
-    )
-    passed(
-        ex,
-        f"{ports} ports per node keep DDP at ≥ {PORTS_TARGET:.0%} on 64 GPUs (8 reach "
-        f"{explorer_efficiency(ports=8):.0%}); every link at ≥ {hi:.0f} GB/s keeps it at ≥ 90 %",
     )

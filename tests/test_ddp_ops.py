@@ -30,11 +30,12 @@ def test_breakdown_sums_the_added_ops_and_the_shared_ones():
     b = ddp_ops.breakdown(lock, ddp)
     assert [r["name"] for r in b["added_ops"]] == ["c10d::allreduce_", "aten::copy_", "mystery"]
     assert [r["calls"] for r in b["added_ops"]] == [2, 12, 1]
-    launches, own, shared = ddp_ops.GROUPS[0][0], ddp_ops.GROUPS[1][0], ddp_ops.SHARED
-    assert list(b["groups"]) == [launches, own, "other", shared]
+    launches, own, (compute, barrier) = ddp_ops.GROUPS[0][0], ddp_ops.GROUPS[1][0], ddp_ops.SHARED
+    assert list(b["groups"]) == [launches, own, "other", compute, barrier]
     assert b["groups"][launches] == (2, 0.005)
     assert b["groups"][own] == (12, pytest.approx(0.0004))
-    assert b["groups"][shared] == (0.0, pytest.approx(-0.001))
+    assert b["groups"][compute] == (0.0, pytest.approx(0.002))
+    assert b["groups"][barrier] == (0.0, pytest.approx(-0.003))
     assert b["accounted_s"] == pytest.approx(0.005 + 0.0004 + 0.0001 - 0.001)
     assert b["measured_s"] == pytest.approx(0.010)
     assert b["unaccounted_s"] == pytest.approx(0.010 - 0.0045)
@@ -53,13 +54,28 @@ def test_config_refuses_a_warmup_that_skips_the_rebuild():
         ddp_ops.OpsConfig(warmup=1).validate(2)
 
 
+def test_paired_breakdown_keeps_medians_and_checks_the_counts():
+    lock = [_table({"aten::mm": (3, 0.010)}, step_s=0.020 + k / 1000) for k in range(3)]
+    ddp = [
+        _table({"aten::mm": (3, 0.011), "c10d::allreduce_": (2, 0.001 * (k + 1))}, step_s=0.025)
+        for k in range(3)
+    ]
+    b = ddp_ops.paired_breakdown(lock, ddp)
+    assert b["pairs"] == 3 and b["counts_agree"]
+    assert b["groups"][ddp_ops.GROUPS[0][0]] == (2, pytest.approx(0.002))  # median of 1, 2, 3 ms
+    assert b["measured_s"] == pytest.approx(0.004)  # median of 5, 4, 3 ms
+    ddp[1]["training"]["c10d::allreduce_"] = (3, 0.001)
+    assert not ddp_ops.paired_breakdown(lock, ddp)["counts_agree"]
+
+
 @pytest.mark.timeout(180)
 def test_a_real_profile_counts_what_ddp_adds(runs, no_leftovers):
-    cfg = ddp_ops.OpsConfig(batch_size=4, steps=2, rounds=1)
+    cfg = ddp_ops.OpsConfig(batch_size=4, pairs=2)
     values = launch(ddp_ops.ddp_ops_worker, cfg, 2, runs_dir=runs).wait(timeout=150).values
     for rank, got in values.items():
-        assert got["rank"] == rank and got["steps"] == 2
-        b = ddp_ops.breakdown(got["lockstep"], got["ddp"])
+        assert got["rank"] == rank and len(got["lockstep"]) == len(got["ddp"]) == 2
+        b = ddp_ops.paired_breakdown(got["lockstep"], got["ddp"])
+        assert b["counts_agree"]
         calls = {r["name"]: r["calls"] for r in b["added_ops"]}
         # two buckets (fc2 + fc1, then conv1): one launch and one gloo all-reduce each, per step
         assert calls["c10d::allreduce_"] == 2
@@ -68,5 +84,6 @@ def test_a_real_profile_counts_what_ddp_adds(runs, no_leftovers):
         # six gradients: each averaged into its bucket, and copied back after the all-reduce
         assert calls["torch::distributed::reducer::mul_out"] == 6
         assert calls["torch.distributed.ddp.reducer::copy_bucket_to_grad"] == 6
-        assert "c10d::allreduce_" not in got["lockstep"]["training"]
-        assert got["lockstep"]["training"]["c10d::barrier"][0] == 1  # the barrier after each step
+        for step in got["lockstep"]:
+            assert "c10d::allreduce_" not in step["training"]
+            assert step["training"]["c10d::barrier"][0] == 1  # the barrier that ends the step

@@ -37,7 +37,11 @@ GROUPS = (
     ),
 )
 """How :func:`group_of` files an op that DDP adds, by its name (first match wins)."""
-SHARED = "the ops both steps run (forward, backward, optimizer, barrier), DDP − lockstep"
+SHARED = (
+    "the compute both steps run (forward, backward, optimizer), DDP − lockstep",
+    "the barrier that ends each step (c10d::barrier), DDP − lockstep",
+)
+"""The two lines of the ops both steps run, as often: all but the barrier, and the barrier."""
 
 
 @dataclass(kw_only=True)
@@ -48,19 +52,17 @@ class OpsConfig(Config):
     """Images per step and rank (chapter 01's CNN, 3×32×32)."""
     warmup: int = 3
     """Untimed steps of each variant first (DDP rebuilds its buckets after its first step)."""
-    steps: int = 6
-    """Profiled steps of each variant in each of ``rounds`` rounds; every figure is per step."""
-    rounds: int = 2
-    """Rounds of (lockstep, DDP), in turn, so that a change of load touches both alike."""
+    pairs: int = 20
+    """Profiled pairs of steps: one lockstep step, then one DDP step (or the other way round, in
+    turn), so that a change of load touches both alike; medians over the pairs are kept."""
 
     def validate(self, nprocs: int | None = None) -> None:
-        """Raises ValueError for a batch size, steps or rounds < 1, or a warm-up below 2."""
+        """Raises ValueError for a batch size or pairs < 1, or a warm-up below 2."""
         super().validate(nprocs)
-        if min(self.batch_size, self.steps, self.rounds) < 1 or self.warmup < 2:
+        if min(self.batch_size, self.pairs) < 1 or self.warmup < 2:
             raise ValueError(
-                f"batch_size={self.batch_size}, warmup={self.warmup}, steps={self.steps}, "
-                f"rounds={self.rounds}: need warmup ≥ 2 (DDP's buckets are rebuilt after step "
-                "1) and the others ≥ 1."
+                f"batch_size={self.batch_size}, warmup={self.warmup}, pairs={self.pairs}: need "
+                "warmup ≥ 2 (DDP's buckets are rebuilt after step 1) and the others ≥ 1."
             )
 
 
@@ -85,14 +87,15 @@ def thread_tables(events) -> dict:
 
 
 def ddp_ops_worker(cfg: OpsConfig) -> dict:
-    """Profile (``torch.profiler``, CPU) ``cfg.rounds`` rounds of ``cfg.steps`` steps of the plain
-    model in lockstep, then of the same model in DDP, each step followed by a barrier (for DDP it
-    stands for the logging's all-reduce of the loss), after ``cfg.warmup`` untimed steps of each.
+    """Profile (``torch.profiler``, CPU) ``cfg.pairs`` pairs of steps, one of the plain model in
+    lockstep and one of the same model in DDP (either first, in turn), after ``cfg.warmup``
+    untimed steps of each. Each step starts after a barrier (outside the profile) and ends with
+    one (for DDP it stands for the logging's all-reduce of the loss).
 
-    Returns {"lockstep", "ddp": {"training", "gloo": {op: (calls, self s) per step}, "step_s":
-    wall seconds per step (``perf_counter`` around the profiled steps, profiler's overhead
-    included)}, "rank", "batch_size", "steps"}. The profiler's self time is the time on its thread
-    inside the op and not in a child op: wall time, waiting for a core included.
+    Returns {"lockstep", "ddp": one table per step, in pair order: {"training", "gloo": {op:
+    (calls, self s)} (:func:`thread_tables`), "step_s": wall seconds (``perf_counter``)}, "rank",
+    "batch_size", "pairs"}. The profiler's self time is the time on its thread inside the op and
+    not in a child op: wall time, waiting for a core included.
     """
     import time
 
@@ -120,30 +123,21 @@ def ddp_ops_worker(cfg: OpsConfig) -> dict:
             for _ in range(cfg.warmup):
                 step()
             steps[name] = step
-        total = {m: {"training": {}, "gloo": {}, "step_s": 0.0} for m in steps}
-        for _ in range(cfg.rounds):
-            for name, step in steps.items():
+        out: dict = {"rank": ctx.rank, "batch_size": cfg.batch_size, "pairs": cfg.pairs}
+        out |= {m: [] for m in steps}
+        for i in range(cfg.pairs):
+            for name in ("lockstep", "ddp") if i % 2 == 0 else ("ddp", "lockstep"):
+                dist.barrier()  # both ranks start the step together
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     t0 = time.perf_counter()
-                    for _ in range(cfg.steps):
-                        step()
-                    total[name]["step_s"] += time.perf_counter() - t0
-                for where, table in thread_tables(prof.events()).items():
-                    for op, (calls, self_s) in table.items():
-                        c, s = total[name][where].get(op, (0, 0.0))
-                        total[name][where][op] = (c + calls, s + self_s)
-        n = cfg.steps * cfg.rounds
-        per_step = {
-            m: {
-                "step_s": t["step_s"] / n,
-                **{
-                    w: {op: (c / n, s / n) for op, (c, s) in t[w].items()}
-                    for w in ("training", "gloo")
-                },
-            }
-            for m, t in total.items()
-        }
-        return {"rank": ctx.rank, "batch_size": cfg.batch_size, "steps": n, **per_step}
+                    steps[name]()
+                    step_s = time.perf_counter() - t0
+                tables = thread_tables(prof.events())
+                out[name].append(
+                    {w: {op: tuple(v) for op, v in t.items()} for w, t in tables.items()}
+                )
+                out[name][-1]["step_s"] = step_s
+        return out
 
 
 def group_of(name: str) -> str:
@@ -157,13 +151,13 @@ def breakdown(lockstep: dict, ddp: dict) -> dict:
 
     Returns {"added_ops": [{"name", "group", "calls", "self_s"}] for every op DDP calls more
     often (calls and self time DDP − lockstep, largest time first), "groups": {group: (calls,
-    self s)} over those rows, with :data:`SHARED` (the ops called as often in both: their time
-    difference), "accounted_s" (the sum of the groups), "measured_s" (step_s, DDP − lockstep),
-    "unaccounted_s" (measured − accounted: time on the training thread outside any op, or off
-    it), "gloo": {op: (calls, self s) per step, DDP − lockstep} on gloo's threads}.
+    self s)} over those rows, then the two lines of :data:`SHARED` (the ops called as often in
+    both: their time difference), "accounted_s" (the sum of the groups), "measured_s" (step_s,
+    DDP − lockstep), "unaccounted_s" (measured − accounted: time on the training thread outside
+    any op, or off it), "gloo": {op: (calls, self s) per step, DDP − lockstep} on gloo's threads}.
     """
     t_lock, t_ddp = lockstep["training"], ddp["training"]
-    rows, shared = [], 0.0
+    rows, shared = [], [0.0, 0.0]
     for name in sorted(set(t_ddp) | set(t_lock)):
         (dc, ds), (lc, ls) = t_ddp.get(name, (0.0, 0.0)), t_lock.get(name, (0.0, 0.0))
         if dc > lc:
@@ -171,13 +165,16 @@ def breakdown(lockstep: dict, ddp: dict) -> dict:
                 {"name": name, "group": group_of(name), "calls": dc - lc, "self_s": ds - ls}
             )
         else:
-            shared += ds - ls
+            shared[name == "c10d::barrier"] += ds - ls
     rows.sort(key=lambda r: -r["self_s"])
     groups = {g: (0.0, 0.0) for g, _ in GROUPS} | {"other": (0.0, 0.0)}
     for r in rows:
         c, s = groups[r["group"]]
         groups[r["group"]] = (c + r["calls"], s + r["self_s"])
-    groups = {g: v for g, v in groups.items() if v != (0.0, 0.0)} | {SHARED: (0.0, shared)}
+    groups = {g: v for g, v in groups.items() if v != (0.0, 0.0)} | {
+        SHARED[0]: (0.0, shared[0]),
+        SHARED[1]: (0.0, shared[1]),
+    }
     accounted = sum(s for _, s in groups.values())
     measured = ddp["step_s"] - lockstep["step_s"]
     g_lock, g_ddp = lockstep["gloo"], ddp["gloo"]
@@ -195,4 +192,30 @@ def breakdown(lockstep: dict, ddp: dict) -> dict:
         "measured_s": measured,
         "unaccounted_s": measured - accounted,
         "gloo": gloo,
+    }
+
+
+def paired_breakdown(lockstep: list[dict], ddp: list[dict]) -> dict:
+    """:func:`breakdown` of each pair of steps (``lockstep[i]``, ``ddp[i]``), and the medians over
+    the pairs: {"groups": {group: (calls, median self s)}, "accounted_s", "measured_s",
+    "unaccounted_s": medians (each its own median: they need not add up), "added_ops" and "gloo":
+    the first pair's, "counts_agree": whether every pair added the same ops, as often, "pairs"}.
+    """
+    import statistics
+
+    each = [breakdown(lk, dd) for lk, dd in zip(lockstep, ddp)]
+    calls = [{r["name"]: r["calls"] for r in b["added_ops"]} for b in each]
+    groups = {
+        g: (c, statistics.median(b["groups"].get(g, (0.0, 0.0))[1] for b in each))
+        for g, (c, _) in each[0]["groups"].items()
+    }
+    med = {k: statistics.median(b[k] for b in each) for k in ("accounted_s", "measured_s")}
+    return {
+        "groups": groups,
+        **med,
+        "unaccounted_s": statistics.median(b["unaccounted_s"] for b in each),
+        "added_ops": each[0]["added_ops"],
+        "gloo": each[0]["gloo"],
+        "counts_agree": all(c == calls[0] for c in calls),
+        "pairs": len(each),
     }

@@ -101,8 +101,8 @@ def _why(got: float, kernel_s: float, dev: FakeGPU) -> str:
         )
     if close(got, p["launch_s"] + kernel_s + p["sync_s"], rel=0.02):
         return (
-            "each timed call pays its launch and a synchronize's round trip on top of the kernel; "
-            "for a kernel this short, queue many calls between two synchronizes"
+            "each timed call pays its launch and a synchronize's round trip on top of the kernel: "
+            "beside a kernel this short, they are not small; how could the calls share them?"
         )
     first_clock = ev.index("clock") if "clock" in ev else len(ev)
     if ev[:first_clock].count("op") < p["warmup_calls"]:

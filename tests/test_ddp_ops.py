@@ -10,8 +10,8 @@ from mgtutorial import launch
 from mgtutorial.perf import ddp_ops
 
 
-def _table(training: dict, gloo: dict | None = None, step_s: float = 0.0) -> dict:
-    return {"training": training, "gloo": gloo or {}, "step_s": step_s}
+def _table(training: dict, gloo: dict | None = None, step_s: float = 0.0, cpu_s=0.0) -> dict:
+    return {"training": training, "gloo": gloo or {}, "step_s": step_s, "cpu_s": cpu_s}
 
 
 def test_breakdown_sums_the_added_ops_and_the_shared_ones():
@@ -26,8 +26,10 @@ def test_breakdown_sums_the_added_ops_and_the_shared_ones():
         },
         {"gloo:all_reduce": (2, 0.0)},
         step_s=0.030,
+        cpu_s=0.001,
     )
     b = ddp_ops.breakdown(lock, ddp)
+    assert b["measured_cpu_s"] == pytest.approx(0.001)
     assert [r["name"] for r in b["added_ops"]] == ["c10d::allreduce_", "aten::copy_", "mystery"]
     assert [r["calls"] for r in b["added_ops"]] == [2, 12, 1]
     launches, own, (compute, barrier) = ddp_ops.GROUPS[0][0], ddp_ops.GROUPS[1][0], ddp_ops.SHARED
@@ -75,7 +77,7 @@ def test_a_real_profile_counts_what_ddp_adds(runs, no_leftovers):
     for rank, got in values.items():
         assert got["rank"] == rank and len(got["lockstep"]) == len(got["ddp"]) == 2
         b = ddp_ops.paired_breakdown(got["lockstep"], got["ddp"])
-        assert b["counts_agree"]
+        assert b["counts_agree"] and all(s["cpu_s"] > 0 for s in got["ddp"])
         calls = {r["name"]: r["calls"] for r in b["added_ops"]}
         # two buckets (fc2 + fc1, then conv1): one launch and one gloo all-reduce each, per step
         assert calls["c10d::allreduce_"] == 2

@@ -93,7 +93,8 @@ def ddp_ops_worker(cfg: OpsConfig) -> dict:
     one (for DDP it stands for the logging's all-reduce of the loss).
 
     Returns {"lockstep", "ddp": one table per step, in pair order: {"training", "gloo": {op:
-    (calls, self s)} (:func:`thread_tables`), "step_s": wall seconds (``perf_counter``)}, "rank",
+    (calls, self s)} (:func:`thread_tables`), "step_s": wall seconds (``perf_counter``),
+    "cpu_s": the training thread's CPU seconds (``thread_time``)}, "rank",
     "batch_size", "pairs"}. The profiler's self time is the time on its thread inside the op and
     not in a child op: wall time, waiting for a core included.
     """
@@ -129,14 +130,14 @@ def ddp_ops_worker(cfg: OpsConfig) -> dict:
             for name in ("lockstep", "ddp") if i % 2 == 0 else ("ddp", "lockstep"):
                 dist.barrier()  # both ranks start the step together
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     steps[name]()
-                    step_s = time.perf_counter() - t0
+                    step_s, cpu_s = time.perf_counter() - t0, time.thread_time() - c0
                 tables = thread_tables(prof.events())
                 out[name].append(
                     {w: {op: tuple(v) for op, v in t.items()} for w, t in tables.items()}
                 )
-                out[name][-1]["step_s"] = step_s
+                out[name][-1] |= {"step_s": step_s, "cpu_s": cpu_s}
         return out
 
 
@@ -177,6 +178,7 @@ def breakdown(lockstep: dict, ddp: dict) -> dict:
     }
     accounted = sum(s for _, s in groups.values())
     measured = ddp["step_s"] - lockstep["step_s"]
+    cpu = ddp.get("cpu_s", 0.0) - lockstep.get("cpu_s", 0.0)
     g_lock, g_ddp = lockstep["gloo"], ddp["gloo"]
     gloo = {
         op: (
@@ -191,6 +193,7 @@ def breakdown(lockstep: dict, ddp: dict) -> dict:
         "accounted_s": accounted,
         "measured_s": measured,
         "unaccounted_s": measured - accounted,
+        "measured_cpu_s": cpu,
         "gloo": gloo,
     }
 
@@ -198,7 +201,8 @@ def breakdown(lockstep: dict, ddp: dict) -> dict:
 def paired_breakdown(lockstep: list[dict], ddp: list[dict]) -> dict:
     """:func:`breakdown` of each pair of steps (``lockstep[i]``, ``ddp[i]``), and the medians over
     the pairs: {"groups": {group: (calls, median self s)}, "accounted_s", "measured_s",
-    "unaccounted_s": medians (each its own median: they need not add up), "added_ops" and "gloo":
+    "measured_cpu_s", "unaccounted_s": medians (each its own median: they need not add up),
+    "added_ops" and "gloo":
     the first pair's, "counts_agree": whether every pair added the same ops, as often, "pairs"}.
     """
     import statistics
@@ -209,7 +213,8 @@ def paired_breakdown(lockstep: list[dict], ddp: list[dict]) -> dict:
         g: (c, statistics.median(b["groups"].get(g, (0.0, 0.0))[1] for b in each))
         for g, (c, _) in each[0]["groups"].items()
     }
-    med = {k: statistics.median(b[k] for b in each) for k in ("accounted_s", "measured_s")}
+    keys = ("accounted_s", "measured_s", "measured_cpu_s")
+    med = {k: statistics.median(b[k] for b in each) for k in keys}
     return {
         "groups": groups,
         **med,

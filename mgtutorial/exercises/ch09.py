@@ -26,7 +26,7 @@ from mgtutorial.exercises._common import (
 from mgtutorial.exercises.ch09_buckets import CAP_MB, buckets
 from mgtutorial.exercises.ch09_crossover import LINKS, N_HEADS, PCIE_BW, crossover
 from mgtutorial.exercises.ch09_layout import layout_choice
-from mgtutorial.exercises.ch09_timing import GPU, FakeGPU, sloppy_time, timing
+from mgtutorial.exercises.ch09_timing import GPU, timing
 from mgtutorial.perf import costmodel
 
 __all__ = [
@@ -40,13 +40,11 @@ __all__ = [
     "READY",
     "RING_SIZES",
     "STEP",
-    "FakeGPU",
     "buckets",
     "crossover",
     "exposed",
     "layout_choice",
     "ring",
-    "sloppy_time",
     "timing",
 ]
 

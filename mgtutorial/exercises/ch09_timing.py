@@ -163,7 +163,7 @@ def timing(time_it, predicted: dict | None = None) -> None:
     passed(
         ex,
         f"the sloppy timer reports {want['sloppy'] * 1e6:.1f} µs and a synchronize per call "
-        f"{want['per'] * 1e6:.1f} µs for a {GPU['kernel_s'] * 1e6:.0f} µs kernel; yours is within "
+        f"{want['per'] * 1e6:.1f} µs for a {GPU['kernel_s'] * 1e6:.0f} µs kernel; yours is off by "
         + " and ".join(f"{e:+.1%}" for e in errors.values())
-        + " of the 40 and 250 µs kernels",
+        + " on the 40 and 250 µs kernels",
     )

@@ -15,11 +15,15 @@ def _table(training: dict, gloo: dict | None = None, step_s: float = 0.0, cpu_s=
 
 
 def test_breakdown_sums_the_added_ops_and_the_shared_ones():
-    lock = _table({"aten::mm": (3, 0.010), "c10d::barrier": (1, 0.004)}, step_s=0.020)
+    lock = _table(
+        {"aten::mm": (3, 0.010), "c10d::barrier": (1, 0.004), ddp_ops.BACKWARD: (1, 0.002)},
+        step_s=0.020,
+    )
     ddp = _table(
         {
             "aten::mm": (3, 0.012),  # shared, 2 ms slower
             "c10d::barrier": (1, 0.001),  # shared, 3 ms faster
+            ddp_ops.BACKWARD: (1, 0.0025),  # shared, 0.5 ms slower: the wait at backward's end
             "c10d::allreduce_": (2, 0.005),
             "aten::copy_": (12, 0.0004),
             "mystery": (1, 0.0001),
@@ -32,15 +36,20 @@ def test_breakdown_sums_the_added_ops_and_the_shared_ones():
     assert b["measured_cpu_s"] == pytest.approx(0.001)
     assert [r["name"] for r in b["added_ops"]] == ["c10d::allreduce_", "aten::copy_", "mystery"]
     assert [r["calls"] for r in b["added_ops"]] == [2, 12, 1]
-    launches, own, (compute, barrier) = ddp_ops.GROUPS[0][0], ddp_ops.GROUPS[1][0], ddp_ops.SHARED
-    assert list(b["groups"]) == [launches, own, "other", compute, barrier]
+    launches, own, (compute, barrier, backward) = (
+        ddp_ops.GROUPS[0][0],
+        ddp_ops.GROUPS[1][0],
+        ddp_ops.SHARED,
+    )
+    assert list(b["groups"]) == [launches, own, "other", compute, barrier, backward]
     assert b["groups"][launches] == (2, 0.005)
     assert b["groups"][own] == (12, pytest.approx(0.0004))
     assert b["groups"][compute] == (0.0, pytest.approx(0.002))
     assert b["groups"][barrier] == (0.0, pytest.approx(-0.003))
-    assert b["accounted_s"] == pytest.approx(0.005 + 0.0004 + 0.0001 - 0.001)
+    assert b["groups"][backward] == (0.0, pytest.approx(0.0005))
+    assert b["accounted_s"] == pytest.approx(0.005 + 0.0004 + 0.0001 - 0.001 + 0.0005)
     assert b["measured_s"] == pytest.approx(0.010)
-    assert b["unaccounted_s"] == pytest.approx(0.010 - 0.0045)
+    assert b["unaccounted_s"] == pytest.approx(0.010 - 0.005)
     assert b["gloo"] == {"gloo:all_reduce": (2, 0.0)}
 
 
@@ -89,3 +98,4 @@ def test_a_real_profile_counts_what_ddp_adds(runs, no_leftovers):
         for step in got["lockstep"]:
             assert "c10d::allreduce_" not in step["training"]
             assert step["training"]["c10d::barrier"][0] == 1  # the barrier that ends the step
+            assert step["training"][ddp_ops.BACKWARD][0] == 1

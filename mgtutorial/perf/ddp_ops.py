@@ -37,11 +37,17 @@ GROUPS = (
     ),
 )
 """How :func:`group_of` files an op that DDP adds, by its name (first match wins)."""
+BACKWARD = "backward, outside its ops"
+"""The name of the range around ``loss.backward()``: its self time is backward's time in no op,
+which with DDP holds the reducer's wait for every bucket's all-reduce at backward's end
+(``Reducer::finalize_backward`` waits on each bucket's future outside any recorded op)."""
 SHARED = (
     "the compute both steps run (forward, backward, optimizer), DDP − lockstep",
     "the barrier that ends each step (c10d::barrier), DDP − lockstep",
+    f"{BACKWARD} (DDP: the wait for the all-reduces), DDP − lockstep",
 )
-"""The two lines of the ops both steps run, as often: all but the barrier, and the barrier."""
+"""The lines of the ops both steps run, as often: the compute, the barrier, and backward's own
+time (:data:`BACKWARD`)."""
 
 
 @dataclass(kw_only=True)
@@ -101,7 +107,7 @@ def ddp_ops_worker(cfg: OpsConfig) -> dict:
     import time
 
     from torch.nn.parallel import DistributedDataParallel
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     from mgtutorial.common import models
 
@@ -117,7 +123,9 @@ def ddp_ops_worker(cfg: OpsConfig) -> dict:
 
             def step(model=model, opt=opt):
                 opt.zero_grad(set_to_none=True)
-                torch.nn.functional.cross_entropy(model(x), y).backward()
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                with record_function(BACKWARD):
+                    loss.backward()
                 opt.step()
                 dist.barrier()
 
@@ -152,13 +160,13 @@ def breakdown(lockstep: dict, ddp: dict) -> dict:
 
     Returns {"added_ops": [{"name", "group", "calls", "self_s"}] for every op DDP calls more
     often (calls and self time DDP − lockstep, largest time first), "groups": {group: (calls,
-    self s)} over those rows, then the two lines of :data:`SHARED` (the ops called as often in
+    self s)} over those rows, then the three lines of :data:`SHARED` (the ops called as often in
     both: their time difference), "accounted_s" (the sum of the groups), "measured_s" (step_s,
     DDP − lockstep), "unaccounted_s" (measured − accounted: time on the training thread outside
     any op, or off it), "gloo": {op: (calls, self s) per step, DDP − lockstep} on gloo's threads}.
     """
     t_lock, t_ddp = lockstep["training"], ddp["training"]
-    rows, shared = [], [0.0, 0.0]
+    rows, shared = [], [0.0, 0.0, 0.0]
     for name in sorted(set(t_ddp) | set(t_lock)):
         (dc, ds), (lc, ls) = t_ddp.get(name, (0.0, 0.0)), t_lock.get(name, (0.0, 0.0))
         if dc > lc:
@@ -166,15 +174,14 @@ def breakdown(lockstep: dict, ddp: dict) -> dict:
                 {"name": name, "group": group_of(name), "calls": dc - lc, "self_s": ds - ls}
             )
         else:
-            shared[name == "c10d::barrier"] += ds - ls
+            shared[1 if name == "c10d::barrier" else 2 if name == BACKWARD else 0] += ds - ls
     rows.sort(key=lambda r: -r["self_s"])
     groups = {g: (0.0, 0.0) for g, _ in GROUPS} | {"other": (0.0, 0.0)}
     for r in rows:
         c, s = groups[r["group"]]
         groups[r["group"]] = (c + r["calls"], s + r["self_s"])
     groups = {g: v for g, v in groups.items() if v != (0.0, 0.0)} | {
-        SHARED[0]: (0.0, shared[0]),
-        SHARED[1]: (0.0, shared[1]),
+        line: (0.0, t) for line, t in zip(SHARED, shared)
     }
     accounted = sum(s for _, s in groups.values())
     measured = ddp["step_s"] - lockstep["step_s"]

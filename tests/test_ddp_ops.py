@@ -65,7 +65,7 @@ def test_config_refuses_a_warmup_that_skips_the_rebuild():
         ddp_ops.OpsConfig(warmup=1).validate(2)
 
 
-def test_paired_breakdown_keeps_medians_and_checks_the_counts():
+def test_paired_breakdown_keeps_means_that_add_up_and_checks_the_counts():
     lock = [_table({"aten::mm": (3, 0.010)}, step_s=0.020 + k / 1000) for k in range(3)]
     ddp = [
         _table({"aten::mm": (3, 0.011), "c10d::allreduce_": (2, 0.001 * (k + 1))}, step_s=0.025)
@@ -73,8 +73,11 @@ def test_paired_breakdown_keeps_medians_and_checks_the_counts():
     ]
     b = ddp_ops.paired_breakdown(lock, ddp)
     assert b["pairs"] == 3 and b["counts_agree"]
-    assert b["groups"][ddp_ops.GROUPS[0][0]] == (2, pytest.approx(0.002))  # median of 1, 2, 3 ms
-    assert b["measured_s"] == pytest.approx(0.004)  # median of 5, 4, 3 ms
+    assert b["groups"][ddp_ops.GROUPS[0][0]] == (2, pytest.approx(0.002))  # mean of 1, 2, 3 ms
+    assert b["measured_s"] == pytest.approx(0.004)  # mean of 5, 4, 3 ms
+    lines = sum(s for _, s in b["groups"].values())
+    assert lines == pytest.approx(b["accounted_s"])
+    assert lines + b["unaccounted_s"] == pytest.approx(b["measured_s"])  # the table adds up
     ddp[1]["training"]["c10d::allreduce_"] = (3, 0.001)
     assert not ddp_ops.paired_breakdown(lock, ddp)["counts_agree"]
 

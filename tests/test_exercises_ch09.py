@@ -87,9 +87,13 @@ def _exposed(kind: str):
 
             t = costmodel.ddp_step_time(0.0, bwd_s, 0.0, bucket_bytes, alpha, beta, ready=ready)
             return t["exposed"]
-        free = [0.0] * {"right": workers, "one worker": 1, "no queue": 99, "alpha once": workers}[
-            kind
-        ]
+        free = [0.0] * {
+            "right": workers,
+            "one worker": 1,
+            "no queue": 99,
+            "alpha once": workers,
+            "no contention": 1 if workers == 1 else 99,
+        }[kind]
         for i, (nbytes, fraction) in enumerate(zip(bucket_bytes, ready)):
             w = free.index(min(free))
             a = alpha if kind != "alpha once" or i == 0 else 0.0
@@ -277,3 +281,20 @@ def test_ring_solution_passes_and_reports_its_own_factor(capsys):
     ch09.ring(_ring("right"))
     out = capsys.readouterr().out
     assert "✓ 09a.1 ring:" in out and "1.00·S at n = 2" in out and "1.75·S at n = 8" in out
+
+
+def test_timing_refuses_a_timer_that_subtracts_the_simulated_constants():
+    from mgtutorial.exercises.ch09_timing import GPU, per_call_time
+
+    def subtracts(op, **kw):
+        return per_call_time(op, **kw) - GPU["launch_s"] - GPU["sync_s"]
+
+    with pytest.raises(ExerciseError, match="250 µs"):
+        ch09.timing(subtracts, RIGHT_PREDICTION)
+
+
+def test_exposed_refuses_the_checkers_own_reference_and_a_model_without_contention():
+    with pytest.raises(ExerciseError, match="calls ch09.exposed_reference"):
+        ch09.exposed(lambda *a: ch09.exposed_reference(*a))
+    with pytest.raises(ExerciseError, match="both workers busy"):
+        ch09.exposed(_exposed("no contention"))

@@ -109,7 +109,7 @@ def attempt_by_hand(exercise: str, packages: tuple[str, ...], fn: Callable, *arg
     """:func:`attempt`, refusing an answer that calls into ``packages`` (dotted names under
     ``mgtutorial``, e.g. ``"perf"``): the exercise asks the learner to work the quantity out, not
     to ask the library that computes it. A profile hook (``sys.setprofile``) records every Python
-    function entered during the call, however it was imported.
+    function entered during the call, however it was imported (this module's own excepted).
 
     Raises:
         ExerciseError: the learner's code entered a function of one of ``packages`` (named).
@@ -119,7 +119,8 @@ def attempt_by_hand(exercise: str, packages: tuple[str, ...], fn: Callable, *arg
     entered: list[str] = []
 
     def hook(frame, event, _arg):
-        if event == "call" and frame.f_code.co_filename.startswith(dirs):
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(dirs) and not name.endswith("_common.py"):
             entered.append(f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_name}")
 
     before = sys.getprofile()

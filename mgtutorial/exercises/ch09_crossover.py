@@ -47,7 +47,7 @@ counts change it by 13/(12h), under 0.03 % at these widths."""
 def _check_ratio(ex: str, ratio) -> None:
     peak = costmodel.H100.peak_flops
     for n, h, bw in RATIO_GRID:
-        got = attempt_by_hand(ex, ("perf", "tensor_parallel"), ratio, n, h, bw, peak)
+        got = attempt_by_hand(ex, ("perf", "tensor_parallel", "exercises"), ratio, n, h, bw, peak)
         want = reference_ratio(n, bw, h)
         if close(got, want, rel=TOLERANCE):
             continue

@@ -17,6 +17,9 @@ GPU = dict(launch_s=5e-6, sync_s=20e-6, warmup_calls=3, warmup_s=500e-6, kernel_
 """09a.2's simulated GPU (assumed values): each call costs the host ``launch_s`` and queues a
 kernel; the first ``warmup_calls`` kernels take ``warmup_s`` each, the others ``kernel_s``;
 ``synchronize()`` returns ``sync_s`` after the queue is empty."""
+OTHER_GPUS = ((GPU["kernel_s"], GPU["launch_s"], GPU["sync_s"]), (250e-6, 8e-6, 50e-6))
+"""(kernel, launch, synchronize) seconds of the devices ``time_it`` is checked on: :data:`GPU`'s,
+and one the learner does not know, so that subtracting :data:`GPU`'s constants cannot pass."""
 WARMUP, REPEATS = 3, 50
 """The warm-up calls and timed calls the checker asks of every timer."""
 
@@ -121,7 +124,7 @@ def timing(time_it, predicted: dict | None = None) -> None:
     """09a.2: ``predicted`` = {"sloppy", "per call": seconds}, what :func:`sloppy_time` and
     :func:`per_call_time` return on the :data:`GPU` device (within 1 %), and ``time_it(op, *,
     warmup, repeats, clock, synchronize) -> float``, seconds per call, within 5 % of the kernel's
-    own time on devices with kernels of 40 and 250 µs (the second unknown to the learner)."""
+    own time on the devices of :data:`OTHER_GPUS` (the second unknown to the learner)."""
     ex = "09a.2 timing"
     predicted = predicted or {}
     explain = {
@@ -143,8 +146,8 @@ def timing(time_it, predicted: dict | None = None) -> None:
         direction = "too large" if guess > want else "too small"
         require(False, ex, f'predicted["{name}"] = {guess!r} s is {direction}: {why}')
     errors = {}
-    for kernel_s in (GPU["kernel_s"], 250e-6):
-        got, dev = run_timer(time_it, ex, kernel_s=kernel_s)
+    for kernel_s, launch_s, sync_s in OTHER_GPUS:
+        got, dev = run_timer(time_it, ex, kernel_s=kernel_s, launch_s=launch_s, sync_s=sync_s)
         require(
             isinstance(got, (int, float)),
             ex,

@@ -60,7 +60,7 @@ class OpsConfig(Config):
     """Untimed steps of each variant first (DDP rebuilds its buckets after its first step)."""
     pairs: int = 20
     """Profiled pairs of steps: one lockstep step, then one DDP step (or the other way round, in
-    turn), so that a change of load touches both alike; medians over the pairs are kept."""
+    turn), so that a change of load touches both alike; means over the pairs are kept."""
 
     def validate(self, nprocs: int | None = None) -> None:
         """Raises ValueError for a batch size or pairs < 1, or a warm-up below 2."""
@@ -206,26 +206,28 @@ def breakdown(lockstep: dict, ddp: dict) -> dict:
 
 
 def paired_breakdown(lockstep: list[dict], ddp: list[dict]) -> dict:
-    """:func:`breakdown` of each pair of steps (``lockstep[i]``, ``ddp[i]``), and the medians over
-    the pairs: {"groups": {group: (calls, median self s)}, "accounted_s", "measured_s",
-    "measured_cpu_s", "unaccounted_s": medians (each its own median: they need not add up),
-    "added_ops" and "gloo":
-    the first pair's, "counts_agree": whether every pair added the same ops, as often, "pairs"}.
+    """:func:`breakdown` of each pair of steps (``lockstep[i]``, ``ddp[i]``), and the means over
+    the pairs (means add up: the groups' means plus ``unaccounted_s`` equal ``measured_s``):
+    {"groups": {group: (calls, mean self s)}, "accounted_s", "measured_s", "measured_cpu_s",
+    "unaccounted_s": means; "added_ops" and "gloo": the first pair's; "counts_agree": whether
+    every pair added the same ops, as often; "pairs"}.
     """
     import statistics
 
     each = [breakdown(lk, dd) for lk, dd in zip(lockstep, ddp)]
     calls = [{r["name"]: r["calls"] for r in b["added_ops"]} for b in each]
+    names = list(dict.fromkeys(g for b in each for g in b["groups"]))
     groups = {
-        g: (c, statistics.median(b["groups"].get(g, (0.0, 0.0))[1] for b in each))
-        for g, (c, _) in each[0]["groups"].items()
+        g: (
+            next(b["groups"][g][0] for b in each if g in b["groups"]),
+            statistics.fmean(b["groups"].get(g, (0.0, 0.0))[1] for b in each),
+        )
+        for g in names
     }
-    keys = ("accounted_s", "measured_s", "measured_cpu_s")
-    med = {k: statistics.median(b[k] for b in each) for k in keys}
+    keys = ("accounted_s", "measured_s", "measured_cpu_s", "unaccounted_s")
     return {
         "groups": groups,
-        **med,
-        "unaccounted_s": statistics.median(b["unaccounted_s"] for b in each),
+        **{k: statistics.fmean(b[k] for b in each) for k in keys},
         "added_ops": each[0]["added_ops"],
         "gloo": each[0]["gloo"],
         "counts_agree": all(c == calls[0] for c in calls),

@@ -53,6 +53,11 @@ def test_breakdown_sums_the_added_ops_and_the_shared_ones():
     assert b["gloo"] == {"gloo:all_reduce": (2, 0.0)}
 
 
+def test_runqueue_s_counts_up():
+    a = ddp_ops.runqueue_s()
+    assert ddp_ops.runqueue_s() >= a >= 0.0
+
+
 def test_group_of_files_ddps_ops():
     assert ddp_ops.group_of("c10d::allreduce_") == ddp_ops.GROUPS[0][0]
     for name in ("DistributedDataParallel.forward", "torch::distributed::reducer::mul_out"):
@@ -90,6 +95,7 @@ def test_a_real_profile_counts_what_ddp_adds(runs, no_leftovers):
         assert got["rank"] == rank and len(got["lockstep"]) == len(got["ddp"]) == 2
         b = ddp_ops.paired_breakdown(got["lockstep"], got["ddp"])
         assert b["counts_agree"] and all(s["cpu_s"] > 0 for s in got["ddp"])
+        assert all(s["runqueue_s"] >= 0 for s in got["ddp"] + got["lockstep"])
         calls = {r["name"]: r["calls"] for r in b["added_ops"]}
         # two buckets (fc2 + fc1, then conv1): one launch and one gloo all-reduce each, per step
         assert calls["c10d::allreduce_"] == 2

@@ -72,6 +72,19 @@ class OpsConfig(Config):
             )
 
 
+def runqueue_s() -> float:
+    """Seconds this thread has waited on a run queue for a core so far (Linux:
+    ``/proc/self/task/<tid>/schedstat``, its second field, in ns); 0.0 where the file is missing."""
+    import threading
+    from pathlib import Path
+
+    try:
+        stat = Path(f"/proc/self/task/{threading.get_native_id()}/schedstat").read_text()
+        return int(stat.split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def thread_tables(events) -> dict:
     """{"training", "gloo": {op name: [calls, self seconds]}} from a profiler's ``events()``: a
     thread that ran any ``gloo:`` op is one of gloo's; the training thread is the thread with the
@@ -100,7 +113,8 @@ def ddp_ops_worker(cfg: OpsConfig) -> dict:
 
     Returns {"lockstep", "ddp": one table per step, in pair order: {"training", "gloo": {op:
     (calls, self s)} (:func:`thread_tables`), "step_s": wall seconds (``perf_counter``),
-    "cpu_s": the training thread's CPU seconds (``thread_time``)}, "rank",
+    "cpu_s": the training thread's CPU seconds (``thread_time``), "runqueue_s": its seconds
+    waiting for a core (:func:`runqueue_s`)}, "rank",
     "batch_size", "pairs"}. The profiler's self time is the time on its thread inside the op and
     not in a child op: wall time, waiting for a core included.
     """
@@ -138,14 +152,15 @@ def ddp_ops_worker(cfg: OpsConfig) -> dict:
             for name in ("lockstep", "ddp") if i % 2 == 0 else ("ddp", "lockstep"):
                 dist.barrier()  # both ranks start the step together
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    t0, c0 = time.perf_counter(), time.thread_time()
+                    t0, c0, q0 = time.perf_counter(), time.thread_time(), runqueue_s()
                     steps[name]()
                     step_s, cpu_s = time.perf_counter() - t0, time.thread_time() - c0
+                    queued_s = runqueue_s() - q0
                 tables = thread_tables(prof.events())
                 out[name].append(
                     {w: {op: tuple(v) for op, v in t.items()} for w, t in tables.items()}
                 )
-                out[name][-1] |= {"step_s": step_s, "cpu_s": cpu_s}
+                out[name][-1] |= {"step_s": step_s, "cpu_s": cpu_s, "runqueue_s": queued_s}
         return out
 
 
@@ -186,6 +201,7 @@ def breakdown(lockstep: dict, ddp: dict) -> dict:
     accounted = sum(s for _, s in groups.values())
     measured = ddp["step_s"] - lockstep["step_s"]
     cpu = ddp.get("cpu_s", 0.0) - lockstep.get("cpu_s", 0.0)
+    queued = ddp.get("runqueue_s", 0.0) - lockstep.get("runqueue_s", 0.0)
     g_lock, g_ddp = lockstep["gloo"], ddp["gloo"]
     gloo = {
         op: (
@@ -201,6 +217,7 @@ def breakdown(lockstep: dict, ddp: dict) -> dict:
         "measured_s": measured,
         "unaccounted_s": measured - accounted,
         "measured_cpu_s": cpu,
+        "measured_runqueue_s": queued,
         "gloo": gloo,
     }
 
@@ -209,8 +226,8 @@ def paired_breakdown(lockstep: list[dict], ddp: list[dict]) -> dict:
     """:func:`breakdown` of each pair of steps (``lockstep[i]``, ``ddp[i]``), and the means over
     the pairs (means add up: the groups' means plus ``unaccounted_s`` equal ``measured_s``):
     {"groups": {group: (calls, mean self s)}, "accounted_s", "measured_s", "measured_cpu_s",
-    "unaccounted_s": means; "added_ops" and "gloo": the first pair's; "counts_agree": whether
-    every pair added the same ops, as often; "pairs"}.
+    "measured_runqueue_s", "unaccounted_s": means; "added_ops" and "gloo": the first pair's;
+    "counts_agree": whether every pair added the same ops, as often; "pairs"}.
     """
     import statistics
 
@@ -224,7 +241,7 @@ def paired_breakdown(lockstep: list[dict], ddp: list[dict]) -> dict:
         )
         for g in names
     }
-    keys = ("accounted_s", "measured_s", "measured_cpu_s", "unaccounted_s")
+    keys = ("accounted_s", "measured_s", "measured_cpu_s", "measured_runqueue_s", "unaccounted_s")
     return {
         "groups": groups,
         **{k: statistics.fmean(b[k] for b in each) for k in keys},

@@ -130,7 +130,7 @@ def timing(time_it, predicted: dict | None = None) -> None:
     explain = {
         "sloppy": "the warm-up's kernels were queued, not finished, when the clock started: "
         "how much of their time is still ahead of the host then?",
-        "per call": "each timed call pays its launch, its kernel and a synchronize's round trip",
+        "per call": "what does the host wait for between the two clock reads of one timed call?",
     }
     for name, timer in (("sloppy", sloppy_time), ("per call", per_call_time)):
         guess = answered(predicted.get(name), ex, f'predicted["{name}"]')

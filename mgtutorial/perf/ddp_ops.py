@@ -1,7 +1,8 @@
 """What DDP adds to a step, op by op (chapter 09b): one rank's steps profiled with
 ``torch.profiler``, plain in lockstep (a barrier after each step) and wrapped in DDP (the same
 barrier), on the same model and batch; the ops that DDP adds or calls more often, with their
-calls and self CPU time per step, all the process's threads together (gloo's included).
+calls and self time per step (the profiler's ``self_cpu_time_total``: wall time on the
+thread), the training thread and gloo's apart.
 
 Taught in notebooks/09b_measurement.ipynb (section 1); called as ``sweeps.ddp_ops_worker``
 (re-exported by :mod:`mgtutorial.perf.sweeps`). Follows

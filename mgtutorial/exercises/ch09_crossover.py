@@ -1,7 +1,7 @@
 """Checker of exercise 09b.3 (notebooks/09b_measurement.ipynb): the closed form the learner
 derives for one block's forward TP communication over its matmuls, and the TP degree at which it
 passes half, on DGX H100 nodes (NVLink inside a node) and on the same nodes with their GPUs linked
-by PCIe instead; checked against the arithmetic of chapter 08b's section 7
+by PCIe instead; checked against the arithmetic of chapter 08b's section 2
 (:func:`mgtutorial.tensor_parallel.cost.comm_bytes`) and the course's one model of the links,
 :meth:`mgtutorial.perf.costmodel.Hardware.ring_bw` (chapter 09a).
 """
@@ -29,7 +29,7 @@ N_HEADS = 96
 
 
 def reference_ratio(tp_degree: int, link_bw: float, h: int = 12288, s: int = 2048) -> float:
-    """Chapter 08b section 7's ratio: one block's forward communication per rank over ``link_bw``
+    """Chapter 08b section 2's ratio: one block's forward communication per rank over ``link_bw``
     (B/s) / its weight matmuls at ``costmodel.H100.peak_flops``, from
     :func:`mgtutorial.tensor_parallel.cost.comm_bytes` (bf16, ffn = 4h, one sequence of ``s``)."""
     big = cost.comm_bytes(b=1, s=s, h=h, ffn=4 * h, tp=tp_degree, elem=2)
@@ -55,7 +55,7 @@ def _check_ratio(ex: str, ratio) -> None:
             (
                 2 * (n - 1) / n,
                 "a ring all-reduce does not send the tensor once from each rank: how much "
-                "does each rank send (chapter 08b, section 7)?",
+                "does each rank send (chapter 08b, section 2)?",
             ),
             (n, "does each rank compute all the matmuls of the block?"),
             (

@@ -139,6 +139,40 @@ def withheld(
         yield
 
 
+def attempt_by_hand(exercise: str, packages: tuple[str, ...], fn: Callable, *args) -> Any:
+    """:func:`attempt`, refusing an answer that calls into ``packages`` (dotted names under
+    ``mgtutorial``, e.g. ``"perf"``): the exercise asks the learner to work the quantity out, not
+    to ask the library that computes it. A profile hook (``sys.setprofile``) records every Python
+    function entered during the call, however it was imported (this module's own excepted).
+
+    Raises:
+        ExerciseError: the learner's code entered a function of one of ``packages`` (named).
+    """
+    root = Path(__file__).resolve().parents[1]
+    dirs = tuple(str(root.joinpath(*p.split("."))) for p in packages)
+    entered: list[str] = []
+
+    def hook(frame, event, _arg):
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(dirs) and not name.endswith("_common.py"):
+            entered.append(f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_name}")
+
+    before = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        out = attempt(exercise, fn, *args)
+    finally:
+        sys.setprofile(before)
+    if entered:
+        raise ExerciseError(
+            exercise,
+            f"`{getattr(fn, '__name__', fn)}` calls {entered[0]} (mgtutorial."
+            f"{' or mgtutorial.'.join(packages)}): this exercise asks you to work it out "
+            "yourself, with arithmetic and the rules the chapter states",
+        )
+    return out
+
+
 def import_file(path: str | Path, exercise: str = "exercise") -> ModuleType:
     """Import the module at ``path`` afresh (never a cached copy), under a unique module name.
 

@@ -1,45 +1,47 @@
 """Checkers of chapter 09's exercises: in notebooks/09a_cost_model.ipynb a ring all-reduce
-(09a.1), a timing function that is right on a GPU (09a.2, in
-:mod:`mgtutorial.exercises.ch09_timing`) and the explorer's question (09a.3), a layout that
-fits a memory budget (09a.4, in :mod:`mgtutorial.exercises.ch09_layout`); in
-notebooks/09b_measurement.ipynb the exposed all-reduce
-of a DDP step (09b.1), DDP's buckets for a tiny cap (09b.2, in
-:mod:`mgtutorial.exercises.ch09_buckets`) and the TP degree at which communication outgrows compute
-(09b.3, in :mod:`mgtutorial.exercises.ch09_crossover`); all seven are reached as
-``ex.ch09.<checker>``.
+(09a.1), what timers report for a short kernel on a simulated GPU and one that is right (09a.2, in
+:mod:`mgtutorial.exercises.ch09_timing`) and a layout that fits a memory budget (09a.3, in
+:mod:`mgtutorial.exercises.ch09_layout`); in
+notebooks/09b_measurement.ipynb the exposed all-reduce of a DDP step with one worker and with two
+(09b.1), DDP's buckets for a tiny cap (09b.2, in :mod:`mgtutorial.exercises.ch09_buckets`) and the
+closed form of TP's communication over compute with its crossovers (09b.3, in
+:mod:`mgtutorial.exercises.ch09_crossover`); all six are reached as ``ex.ch09.<checker>``.
 
-Nothing here asserts on a measured duration: 09a.1 runs the learner's ring on made-up
-chunks; 09a.3, 09b.1 and 09b.3 compare with
-:mod:`mgtutorial.perf.costmodel` and :mod:`mgtutorial.perf.scaling`, 09b.2 with the buckets a real
-DDP run reports; 09a.2 runs the learner's timing function against a simulated device with a fake
-clock, whose every call is recorded.
+Nothing here asserts on a measured duration: 09a.1 runs the learner's ring on made-up chunks;
+09a.3 compares with :mod:`mgtutorial.perf.layout`, 09b.1 and 09b.3 with
+:mod:`mgtutorial.perf.costmodel` and :mod:`mgtutorial.tensor_parallel.cost` (09b.1 and 09b.3 refuse
+a learner's function that calls them), 09b.2 with the buckets a real DDP run reports; 09a.2 runs
+the learner's timer against a simulated GPU on a fake clock.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-from mgtutorial.exercises._common import answered, attempt, close, passed, require
+from mgtutorial.exercises._common import (
+    attempt,
+    attempt_by_hand,
+    close,
+    passed,
+    require,
+)
 from mgtutorial.exercises.ch09_buckets import CAP_MB, buckets
 from mgtutorial.exercises.ch09_crossover import LINKS, N_HEADS, PCIE_BW, crossover
 from mgtutorial.exercises.ch09_layout import layout_choice
-from mgtutorial.exercises.ch09_timing import FakeDevice, timing
-from mgtutorial.perf import costmodel, scaling
+from mgtutorial.exercises.ch09_timing import GPU, timing
+from mgtutorial.perf import costmodel
 
 __all__ = [
     "BUCKETS",
     "CAP_MB",
+    "CASES",
+    "GPU",
     "LINKS",
     "N_HEADS",
     "PCIE_BW",
     "READY",
     "RING_SIZES",
     "STEP",
-    "FakeDevice",
     "buckets",
     "crossover",
-    "explorer",
-    "explorer_efficiency",
     "exposed",
     "layout_choice",
     "ring",
@@ -111,116 +113,87 @@ def ring(fn) -> None:
 
 # --- 09b.1 ---------------------------------------------------------------------------------------
 
-STEP = dict(fwd_s=1e-3, bwd_s=2e-3, opt_s=1e-3, alpha=400e-6, beta=0.66e-9)
-"""The step of 09b.1: forward, backward, optimizer (s), the all-reduce's α (s) and β (s/byte)."""
+STEP = dict(bwd_s=2e-3, alpha=400e-6, beta=0.66e-9)
+"""09b.1's step: backward (s), the all-reduce's α (s) and β (s/byte), of the order of 09a's fits."""
 BUCKETS = [1608488, 9728]
 """09b.1's two buckets (bytes): fc2 + fc1, then conv1 (the chapter's CNN, default caps)."""
 READY = [0.3, 1.0]
 """Fraction of backward done when each of :data:`BUCKETS` is ready."""
+CASES = {
+    "one bucket": ([sum(BUCKETS)], [1.0]),
+    "two buckets": (BUCKETS, READY),
+    "three buckets": ([1_200_000, 800_000, 9728], [0.3, 0.6, 1.0]),
+    "all hidden but the last": ([200_000, 9728], [0.1, 1.0]),
+    "both workers busy": ([1_600_000, 1_600_000, 9728], [0.3, 0.4, 1.0]),
+}
+"""The bucket layouts (bytes, ready fractions) 09b.1's function is run on, each with 1 and 2
+workers."""
 
 
-def exposed(answers: dict) -> None:
-    """09b.1: ``answers`` = {"one bucket", "two buckets": exposed all-reduce time (s)} for the step
-    of :data:`STEP` with all gradients (``sum(BUCKETS)`` bytes) in one bucket, and with
-    :data:`BUCKETS` ready at :data:`READY`; compared with
-    :func:`mgtutorial.perf.costmodel.ddp_step_time`."""
+def exposed_reference(bwd_s, bucket_bytes, ready, alpha, beta, workers=1) -> float:
+    """Seconds of all-reduce after backward's end: bucket i is ready at ``bwd_s * ready[i]``, and
+    starts then or when a worker is free, whichever is later, the buckets taken in order by the
+    worker free first, each taking ``alpha + beta * bytes``. With ``workers=1`` this is
+    :func:`mgtutorial.perf.costmodel.ddp_step_time`'s ``exposed`` (NCCL: one stream); 2 is a gloo
+    process group's default thread count."""
+    free = [0.0] * workers
+    for b, r in zip(bucket_bytes, ready):
+        w = free.index(min(free))
+        free[w] = max(free[w], bwd_s * r) + alpha + beta * b
+    return max(0.0, max(free) - bwd_s)
+
+
+def _exposed_why(name, workers, guess, want) -> str:
+    """What a learner's exposed time ``guess`` (``want`` is right) most likely missed."""
+    sizes, ready = CASES[name]
+    bwd_s, a, b = STEP["bwd_s"], STEP["alpha"], STEP["beta"]
+    if close(guess, want - a * len(sizes), rel=1e-6) or close(guess, want - a, rel=1e-6):
+        return "α is paid once per bucket"
+    if close(guess, sum(a + b * s for s in sizes), rel=1e-6):
+        return "that is all of the communication: a bucket that is ready early starts early"
+    if len(sizes) > 1 and close(guess, a + b * sum(sizes), rel=1e-6):
+        return "that is one bucket holding every byte: here each bucket has its own α and start"
+    if workers == 2 and close(guess, exposed_reference(bwd_s, sizes, ready, a, b), rel=1e-6):
+        return (
+            "that is the answer for one worker: with two, a bucket waits only until one of them "
+            "is free"
+        )
+    if workers == 1 and close(guess, exposed_reference(bwd_s, sizes, ready, a, b, 99), rel=1e-6):
+        return "with one worker a bucket waits until the previous one is done, not only until ready"
+    if close(guess, want * 1e3, rel=1e-6):
+        return "seconds, not ms: 1 ms = 1e-3 s"
+    return (
+        "a bucket starts when it is ready and a worker is free; what lies after backward's end "
+        "is exposed"
+    )
+
+
+def exposed(fn) -> None:
+    """09b.1: ``fn(bwd_s, bucket_bytes, ready, alpha, beta, workers) -> float``, the seconds of
+    all-reduce after backward's end, worked out by the learner (calls into ``mgtutorial.perf``
+    or ``mgtutorial.exercises`` are refused); run on :data:`CASES` with 1 and 2 workers and
+    compared with :func:`exposed_reference` (for one worker, ``costmodel.ddp_step_time``'s)."""
     ex = "09b.1 exposed all-reduce"
-    a, b = STEP["alpha"], STEP["beta"]
-    cases = {"one bucket": ([sum(BUCKETS)], [1.0]), "two buckets": (BUCKETS, READY)}
-    for name, (sizes, ready) in cases.items():
-        guess = answered(answers.get(name), ex, f'answers["{name}"]')
-        want = costmodel.ddp_step_time(
-            STEP["fwd_s"], STEP["bwd_s"], STEP["opt_s"], sizes, a, b, ready=ready
-        )["exposed"]
-        if close(guess, want, rel=1e-6):
-            continue
-        comm = sum(a + b * s for s in sizes)
-        if close(guess, want - a, rel=1e-6):
-            why = "you left out α, paid once per bucket"
-        elif close(guess, comm, rel=1e-6):
-            why = (
-                "that is all of the communication: bucket 0 is ready at 30 % of backward and "
-                "starts then"
+    bwd_s, a, b = STEP["bwd_s"], STEP["alpha"], STEP["beta"]
+    got = {}
+    for workers in (1, 2):
+        for name, (sizes, ready) in CASES.items():
+            args = (fn, bwd_s, list(sizes), list(ready), a, b, workers)
+            guess = attempt_by_hand(ex, ("perf", "exercises"), *args)
+            want = exposed_reference(bwd_s, sizes, ready, a, b, workers)
+            got[name, workers] = guess
+            if close(guess, want, rel=1e-6):
+                continue
+            direction = "too large" if isinstance(guess, (int, float)) and guess > want else "wrong"
+            require(
+                False,
+                ex,
+                f"{name} ({sizes} bytes, ready at {ready}), {workers} worker(s): "
+                f"{guess!r} s is {direction}: {_exposed_why(name, workers, guess, want)}",
             )
-        elif name == "two buckets" and close(guess, a + b * BUCKETS[1], rel=1e-6):
-            why = (
-                "that is the last bucket alone, as if it started at backward's end: does "
-                "bucket 0 finish before backward does?"
-            )
-        elif close(guess, want * 1e3, rel=1e-6):
-            why = "seconds, not ms: 1 ms = 1e-3 s"
-        else:
-            why = (
-                "a bucket starts when it is ready and the previous one is done; what lies after "
-                "backward's end is exposed"
-            )
-        direction = "too large" if guess > want else "too small"
-        require(False, ex, f'answers["{name}"] = {guess!r} s is {direction}: {why}')
+    two = [got["two buckets", w] * 1e3 for w in (1, 2)]
     passed(
         ex,
-        "one bucket exposes all of α + β·S; with two, bucket 0 runs past backward's end and the "
-        "last one waits for it",
-    )
-
-
-# --- 09a.3 ---------------------------------------------------------------------------------------
-
-
-def explorer_efficiency(ports: int = 1, link_gbs: float | None = None) -> float:
-    """The predicted efficiency in the explorer's initial setting (Ψ = 1.2 B, DDP, 64 GPUs, one
-    sequence of 2048 tokens per GPU) with ``ports`` per node, or every link at ``link_gbs``."""
-    model = scaling.Transformer(layers=24, hidden=int((1.2e9 / (12 * 24)) ** 0.5))
-    hw = dataclasses.replace(costmodel.H100, nics_per_node=ports)
-    link_bw = link_gbs and link_gbs * 1e9
-    return scaling.predict_step("ddp", model, 64, 2048, hw, link_bw=link_bw)["efficiency"]
-
-
-PORTS_TARGET = 0.75
-"""09a.3's efficiency for the port count (no count up to 8 reaches 0.9 with fp32 gradients)."""
-
-
-def explorer(ports=..., link_gbs=...) -> None:
-    """09a.3: ``ports`` (int), the fewest InfiniBand ports per node with predicted efficiency ≥
-    :data:`PORTS_TARGET`, and ``link_gbs`` (float, GB/s), the bandwidth of every link below which
-    it drops under 0.9 (within 1 %), in the explorer's initial setting; compared with
-    :func:`mgtutorial.perf.scaling.predict_step`."""
-    ex = "09a.3 explorer"
-    ports, link_gbs = answered(ports, ex, "ports"), answered(link_gbs, ex, "link_gbs")
-    require(
-        isinstance(ports, int) and 1 <= ports <= 8,
-        ex,
-        f"ports = {ports!r}: an int from 1 to 8 (a DGX H100 has 8)",
-    )
-    eff = explorer_efficiency(ports=ports)
-    require(
-        eff >= PORTS_TARGET,
-        ex,
-        f"with {ports} port(s) per node the predicted efficiency is {eff:.0%}, below "
-        f"{PORTS_TARGET:.0%}",
-    )
-    require(
-        ports == 1 or explorer_efficiency(ports=ports - 1) < PORTS_TARGET,
-        ex,
-        f"a smaller count than {ports} already reaches {PORTS_TARGET:.0%}: look for fewer",
-    )
-    lo, hi = 1.0, 900.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if explorer_efficiency(link_gbs=mid) < 0.9 else (lo, mid)
-    require(
-        isinstance(link_gbs, (int, float)) and link_gbs > 0,
-        ex,
-        f"link_gbs = {link_gbs!r}: a bandwidth in GB/s (> 0)",
-    )
-    require(
-        close(link_gbs, hi, rel=0.01),
-        ex,
-        f"at link_gbs = {link_gbs!r} the predicted efficiency is "
-        f"{explorer_efficiency(link_gbs=float(link_gbs)):.1%}: the threshold is where it "
-        "crosses 90 %; bisect between a bandwidth below it and one above",
-    )
-    passed(
-        ex,
-        f"{ports} ports per node keep DDP at ≥ {PORTS_TARGET:.0%} on 64 GPUs (8 reach "
-        f"{explorer_efficiency(ports=8):.0%}); every link at ≥ {hi:.0f} GB/s keeps it at ≥ 90 %",
+        f"the chapter's two buckets expose {two[0]:.3f} ms with one worker and {two[1]:.3f} ms "
+        "with two; one bucket exposes all of α + β·S, whatever the workers",
     )

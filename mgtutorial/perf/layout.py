@@ -1,7 +1,7 @@
 """Memory per GPU of a (dp, tp, pp, recompute, attention) layout of a transformer: the model a
 layout must fit.
 
-Taught in notebooks/09a_cost_model.ipynb (exercise 09a.4). Pure arithmetic, like
+Taught in notebooks/09a_cost_model.ipynb (exercise 09a.3). Pure arithmetic, like
 :mod:`mgtutorial.perf.costmodel`, whose dtype table (:class:`~mgtutorial.perf.costmodel.Dtypes`)
 prices the parameters, gradients and Adam(W) state (chapter 07a's 16 bytes per parameter with
 fp32 gradients), and :class:`mgtutorial.perf.scaling.Transformer`'s Ψ = 12·L·h². Activations

@@ -113,7 +113,7 @@ def crossover(ratio, largest_tp: dict | None = None, h_min=None) -> None:
             N_HEADS % guess == 0,
             ex,
             f"{name} does not divide the {N_HEADS} heads: each rank must hold whole heads, and "
-            "transformer.check_heads refuses such a degree (chapter 08); look among "
+            "transformer.check_heads refuses such a degree (chapter 08a, section 3); look among "
             "the divisors of 96",
         )
         require(

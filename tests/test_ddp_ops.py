@@ -4,6 +4,8 @@ calls per step), never on durations."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from mgtutorial import launch
@@ -56,6 +58,13 @@ def test_breakdown_sums_the_added_ops_and_the_shared_ones():
 def test_runqueue_s_counts_up():
     a = ddp_ops.runqueue_s()
     assert ddp_ops.runqueue_s() >= a >= 0.0
+
+
+def test_runqueue_s_is_nan_where_schedstat_is_missing(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(threading, "get_native_id", lambda: -1)  # no such task: no file
+    assert math.isnan(ddp_ops.runqueue_s())
 
 
 def test_group_of_files_ddps_ops():

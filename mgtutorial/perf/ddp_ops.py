@@ -12,6 +12,7 @@ https://pytorch.org/docs/stable/profiler.html.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +76,8 @@ class OpsConfig(Config):
 
 def runqueue_s() -> float:
     """Seconds this thread has waited on a run queue for a core so far (Linux:
-    ``/proc/self/task/<tid>/schedstat``, its second field, in ns); 0.0 where the file is missing."""
+    ``/proc/self/task/<tid>/schedstat``, its second field, in ns); NaN where the file is missing
+    or unreadable (not Linux, or a kernel without schedstats): unknown, printed as n/a."""
     import threading
     from pathlib import Path
 
@@ -83,7 +85,7 @@ def runqueue_s() -> float:
         stat = Path(f"/proc/self/task/{threading.get_native_id()}/schedstat").read_text()
         return int(stat.split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
-        return 0.0
+        return math.nan
 
 
 def thread_tables(events) -> dict:
@@ -202,7 +204,7 @@ def breakdown(lockstep: dict, ddp: dict) -> dict:
     accounted = sum(s for _, s in groups.values())
     measured = ddp["step_s"] - lockstep["step_s"]
     cpu = ddp.get("cpu_s", 0.0) - lockstep.get("cpu_s", 0.0)
-    queued = ddp.get("runqueue_s", 0.0) - lockstep.get("runqueue_s", 0.0)
+    queued = ddp.get("runqueue_s", math.nan) - lockstep.get("runqueue_s", math.nan)
     g_lock, g_ddp = lockstep["gloo"], ddp["gloo"]
     gloo = {
         op: (

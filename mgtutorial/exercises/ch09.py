@@ -114,7 +114,8 @@ def ring(fn) -> None:
 # --- 09b.1 ---------------------------------------------------------------------------------------
 
 STEP = dict(bwd_s=2e-3, alpha=400e-6, beta=0.66e-9)
-"""09b.1's step: backward (s), the all-reduce's α (s) and β (s/byte), of the order of 09a's fits."""
+"""09b.1's step: backward (s), the all-reduce's α (s) and β (s/byte), of the order of the fit
+at the top of notebooks/09b_measurement.ipynb (section 1)."""
 BUCKETS = [1608488, 9728]
 """09b.1's two buckets (bytes): fc2 + fc1, then conv1 (the chapter's CNN, default caps)."""
 READY = [0.3, 1.0]

@@ -78,7 +78,7 @@ def pitfalls(cfg: TPConfig, ctx: env.DistContext, mesh) -> dict:
 
 
 def mixed_plan(ref: Block, mesh, x: torch.Tensor, dy: torch.Tensor) -> dict:
-    """The plan of section 4 (LayerNorms left plain tensors) on a copy of ``ref``; ``ref`` is
+    """The plan of 08a's section 4 (LayerNorms left plain tensors) on a copy of ``ref``; ``ref`` is
     then trained one SGD step (its gradients kept) like the copy.
 
     Returns {"forgot_heads", "clip_error", "foreach_error": the error (:func:`raised`),

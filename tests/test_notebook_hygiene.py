@@ -598,3 +598,40 @@ def test_printed_source_check_finds_a_stale_line():
     assert printed_source_blocks("def f(\n    x,\n) -> int:\n    return x\nafter") == [
         ("f", ["def f(", "    x,", ") -> int:", "    return x"])
     ]
+
+
+# --- notebooks named by file ----------------------------------------------------------------------
+
+_NOTEBOOK_NAME = re.compile(r"\b\d{2}[a-z]?_[a-z0-9_]+\.ipynb\b")
+
+
+def missing_notebooks(text: str, existing: set[str]) -> list[str]:
+    """The notebook file names (``07b_fsdp2.ipynb``) that ``text`` names and ``existing`` lacks:
+    a chapter renamed or split leaves its old name behind in prose, docstrings and commands."""
+    return sorted(set(_NOTEBOOK_NAME.findall(text)) - existing)
+
+
+def test_every_named_notebook_exists():
+    existing = {p.name for p in NOTEBOOKS}
+    sources = [
+        *NOTEBOOKS,
+        *ROOT.glob("*.md"),
+        ROOT / "Makefile",
+        *(ROOT / "book").rglob("*.*"),
+        *(ROOT / "mgtutorial").rglob("*.py"),
+        *(ROOT / "scripts").rglob("*.*"),
+        *(ROOT / "benchmarks").rglob("*.py"),
+    ]
+    problems = [
+        f"{src.relative_to(ROOT)} names {name}"
+        for src in sources
+        if src.is_file() and src.suffix not in (".png", ".pyc")
+        for name in missing_notebooks(src.read_text(errors="replace"), existing)
+    ]
+    assert not problems, "no such notebook:\n  " + "\n  ".join(problems)
+
+
+def test_named_notebook_check_finds_an_old_name():
+    existing = {p.name for p in NOTEBOOKS}
+    text = "saving it (chapter 07, `07_sharding.ipynb`); see [07b](07b_fsdp2.ipynb)"
+    assert missing_notebooks(text, existing) == ["07_sharding.ipynb"]

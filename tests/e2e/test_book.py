@@ -38,7 +38,7 @@ NOTEBOOKS = ROOT / "notebooks"
 SCREENSHOTS = Path(os.environ.get("MGTUTORIAL_E2E_ARTIFACTS", ROOT / "test-artifacts" / "e2e"))
 COURSE_ORDER = (
     *("00", "01", "02", "03a", "03b", "03c", "04a", "04b", "04z", "05a", "05b", "05c"),
-    *("06a", "06b", "07a", "07b", "08", "09a", "09b", "10a", "10b"),
+    *("06a", "06b", "07a", "07b", "08a", "08b", "09a", "09b", "10a", "10b"),
 )
 SEARCH_TERM, SEARCH_HIT = "checkpoint_wrapper", "07a_zero_memory.html"
 BOOK_PACKAGES = (

@@ -53,6 +53,19 @@ def test_failing_rank_0_is_named_too(runs, no_leftovers):
     assert info.value.rank == 0 and "injected failure on rank 0 at step 1" in str(info.value)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ranks", [(1,), (0, 1)], ids=["one-rank", "every-rank"])
+def test_interrupted_rank_ends_the_run(ranks, runs, no_leftovers):
+    # torch.multiprocessing turns a rank's KeyboardInterrupt into exit code 0 with no return
+    # value, which TorchElastic reports as neither a result nor a failure: without the launcher's
+    # own check the run would stay "running" forever (and watch() with it)
+    run = launch(workers.interrupted, workers.InterruptConfig(ranks=ranks), 2, runs_dir=runs)
+    with pytest.raises(WorkerFailed) as info:
+        run.wait(timeout=40)
+    assert info.value.rank in ranks and info.value.exc_type == "KeyboardInterrupt", str(info.value)
+    assert run.status == "failed" and run.alive() == 0
+
+
 def test_worker_from_main_is_refused_before_start(runs):
     with pytest.raises(WorkerNotImportable, match=r"\.py file"):
         launch(defined_in_main, None, 2, runs_dir=runs)

@@ -103,3 +103,40 @@ def test_live_plot_saves_its_last_drawing_without_drawing_it_again(tmp_path, mon
     assert len(drawn) == 1 and (tmp_path / "loss.png").read_bytes() == b"png 1" == shown[-1]
     lines = drawn[0].axes[0].get_lines()  # the drawing holds every record
     assert [list(line.get_xdata()) for line in lines] == [[1, 2]] * 3 and len(recs) == 7
+
+
+class _RunningRun(_FinishedRun):
+    """A Run still going, that records being stopped."""
+
+    stopped = False
+
+    def poll(self):
+        return None
+
+    def stop(self):
+        self.stopped = True
+
+
+@pytest.mark.timeout(30)
+def test_live_plot_interrupted_while_drawing_stops_the_run(tmp_path, monkeypatch):
+    # an ipywidgets Output shows and swallows any exception raised inside it, in a kernel: an
+    # interrupt that arrives while the figure is drawn must still end the cell and stop the ranks
+    import IPython.display
+    from ipywidgets.widgets import widget_output
+
+    _records(tmp_path, with_eval=False)
+    kernel = type("Kernel", (), {"showtraceback": lambda self, *a, **kw: None})()
+    monkeypatch.setattr(widget_output, "get_ipython", lambda: kernel)
+    monkeypatch.setattr(live, "figure_png", lambda fig: b"png")
+    handle = type("Handle", (), {"update": lambda self, obj: None})()
+
+    def display(*objs, **kw):
+        if isinstance(objs[0], IPython.display.Image):
+            raise KeyboardInterrupt  # inside `with out:`
+        return handle
+
+    monkeypatch.setattr(IPython.display, "display", display)
+    run = _RunningRun(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        live.LivePlot(run).follow()
+    assert run.stopped

@@ -60,7 +60,14 @@ def test_earlier_student_editions_are_ignored_and_their_runs_cleaned():
 def test_the_readme_says_what_a_newcomer_needs_first():
     readme = (ROOT / "README.md").read_text()
     head = readme[: readme.index("## The main job")]
-    for needed in ("Python ≥ 3.10", "`make`", "6 GB", "apt-get", "`make test` took", "make test-notebook"):
+    for needed in (
+        "Python ≥ 3.10",
+        "`make`",
+        "6 GB",
+        "apt-get",
+        "`make test` took",
+        "make test-notebook",
+    ):
         assert needed in head, needed
     assert "GLOSSARY.md" in head
 

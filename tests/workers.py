@@ -147,3 +147,22 @@ def profiled_collective(cfg: ProfiledCollectiveConfig) -> list[str]:
         with torch.profiler.profile() as prof:
             fn()
         return sorted({e.name for e in prof.events() if e.name.startswith("gloo:")})
+
+
+@dataclass(kw_only=True)
+class InterruptConfig:
+    """The ranks in ``ranks`` send themselves SIGINT (as a notebook's interrupt reaches every
+    process of the kernel's group); the others return at once."""
+
+    ranks: tuple[int, ...] = (1,)
+
+
+def interrupted(cfg: InterruptConfig) -> str:
+    import signal
+
+    with env.distributed() as ctx:
+        rank = ctx.rank
+    if rank in cfg.ranks:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)  # the KeyboardInterrupt arrives here
+    return "returned"

@@ -195,9 +195,15 @@ class LivePlot:
                 self.reader.read_new()
                 if self.reader.records and (done or time.monotonic() - last >= self.interval):
                     png = figure_png(loss_figure(self.reader.records, self.title))
-                    with out:
-                        out.clear_output(wait=True)
-                        display(Image(png))
+                    interrupted = False
+                    with out:  # an Output shows and swallows any exception raised inside it
+                        try:
+                            out.clear_output(wait=True)
+                            display(Image(png))
+                        except KeyboardInterrupt:
+                            interrupted = True
+                    if interrupted:
+                        raise KeyboardInterrupt
                     status.value = _status(self.run, progress(self.reader.records))
                     self.redraws += 1
                     last, final = time.monotonic(), png if done else None  # all records drawn

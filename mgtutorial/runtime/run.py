@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import start_processes
+from torch.distributed.elastic.multiprocessing.api import RunProcsResult
 
 from mgtutorial.runtime import procs, runlog
 from mgtutorial.runtime._rank import run_worker
@@ -160,7 +161,17 @@ class Run:
         if self.status == "running":
             outcome = self._ctx.wait(0)
             if outcome is None:
-                return None
+                if all(procs.is_running(pid) for pid in self.pids.values()):
+                    return None
+                # a rank has exited, yet TorchElastic reports neither its return value nor a
+                # failure: a second look first (a failing rank that exited just now is one) ...
+                outcome = self._ctx.wait(0)
+            if outcome is None:
+                # ... else it ended on KeyboardInterrupt (a SIGINT, e.g. the notebook's interrupt
+                # reaching the kernel's process group), which torch.multiprocessing turns into
+                # exit code 0 with no return value: a run that would never finish. The others
+                # are stopped; its rank<r>.error.json names the interrupt.
+                outcome = RunProcsResult()
             self._finish(outcome)
         if self.status == "failed":
             raise self._error

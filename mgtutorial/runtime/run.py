@@ -104,6 +104,7 @@ class Run:
         self.status: Status = "running"
         self._result: RunResult | None = None
         self._error: WorkerFailed | None = None
+        self._silent_since: float | None = None  # when poll() first saw a rank exit unreported
         # the store takes the listening socket over (and closes it when it is deleted)
         self._store = dist.TCPStore(
             "127.0.0.1",
@@ -164,13 +165,15 @@ class Run:
                 if all(procs.is_running(pid) for pid in self.pids.values()):
                     return None
                 # a rank has exited, yet TorchElastic reports neither its return value nor a
-                # failure: a second look first (a failing rank that exited just now is one) ...
-                outcome = self._ctx.wait(0)
-            if outcome is None:
-                # ... else it ended on KeyboardInterrupt (a SIGINT, e.g. the notebook's interrupt
-                # reaching the kernel's process group), which torch.multiprocessing turns into
-                # exit code 0 with no return value: a run that would never finish. The others
-                # are stopped; its rank<r>.error.json names the interrupt.
+                # failure. A failure's report comes a moment later (the fork server reaps the
+                # rank, then sends its exit status): wait for it 2 s. Past that, the rank ended
+                # on KeyboardInterrupt (a SIGINT: the notebook's interrupt reaches the kernel's
+                # process group), which torch.multiprocessing turns into exit code 0 and no
+                # return value, a run that would never finish. The others are stopped; its
+                # rank<r>.error.json names the interrupt.
+                self._silent_since = self._silent_since or time.monotonic()
+                if time.monotonic() - self._silent_since < 2.0:
+                    return None
                 outcome = RunProcsResult()
             self._finish(outcome)
         if self.status == "failed":

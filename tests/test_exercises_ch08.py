@@ -85,6 +85,8 @@ def test_block_plan_variants(variant, tmp_path, capsys, no_leftovers, monkeypatc
 
 RIGHT_HEADS = "n_heads // tp, n_kv_heads // tp"
 HEADS_VARIANTS = {  # heads_per_rank's body → the hint; refused in the kernel, before any rank
+    '"2", "1"': "returned ('2', '1'), not a pair of ints",
+    "n_heads / tp, n_kv_heads / tp": "not a pair of ints",
     "n_heads // tp, n_kv_heads": "gives 2 key/value heads: wk and wv are split too",
     "n_heads, n_kv_heads": "gives 4 query heads",
     "2, 1": "heads_per_rank(8, 2, 2) gives 2 query heads",
@@ -227,9 +229,12 @@ RIGHT_COUNTS = {
     "all_gather_bytes": [768, 1536],
 }
 COUNTS_VARIANTS = [  # a wrong prediction for TPConfig(h=32, n_heads=8, batch=3, seq=4), the hint
-    ({"forward": 1}, "did not issue 1 all-reduces in forward"),
-    ({"all_reduce_bytes": 768}, "each all-reduce did not move 768 bytes"),
-    ({"all_gather_bytes": [1536, 1536]}, "did not take and return [1536, 1536] bytes"),
+    (
+        {"forward": 1},
+        "you predicted 1 all-reduce(s) in forward; the split block issued a different number",
+    ),
+    ({"all_reduce_bytes": 768}, "you predicted 768 bytes per all-reduce; the DTensor plan's"),
+    ({"all_gather_bytes": [1536, 1536]}, "you predicted all-gathers of [1536, 1536] bytes"),
 ]
 
 
@@ -241,15 +246,24 @@ RIGHT_LOSS = {
 LOSS_VARIANTS = [  # a wrong prediction for h=32, b=3, s=4, vocabulary 40, the hint
     (  # the embedding's output and the head's input gradient taken as logits, (b, s, V)
         {"all_reduce_bytes": [[1920, 1920], [48, 48], [48, 48], [48, 48], [1920, 1920]]},
-        "all-reduce 1 of 5 did not move [1920, 1920] bytes",
+        "you predicted [1920, 1920] bytes for all-reduce 1 of 5",
     ),
-    ({"local_logit_bytes": 768, "full_logit_bytes": 1536}, "is not 768"),  # h in place of V
-    ({"all_reduce_bytes": [[1536, 1536], [48, 48], [48, 48], [48, 48]]}, "did not run 4"),
+    (  # h in place of V
+        {"local_logit_bytes": 768, "full_logit_bytes": 1536},
+        "you predicted local_logit_bytes = 768; the ranks hold a different number",
+    ),
+    (
+        {"all_reduce_bytes": [[1536, 1536], [48, 48], [48, 48], [48, 48]]},
+        "you predicted 4 all-reduces",
+    ),
     (
         {"all_reduce_bytes": [[1536, 1536], [1536, 1536], [48, 48], [48, 48], [48, 48]]},
-        "all-reduce 2 of 5 did not move [1536, 1536] bytes",
+        "you predicted [1536, 1536] bytes for all-reduce 2 of 5",
     ),
-    ({"local_logit_bytes": 1536}, "local_logit_bytes is not 1536"),
+    ({"local_logit_bytes": 1536}, "you predicted local_logit_bytes = 1536"),
+    ({"full_logit_bytes": 960}, "the whole logits are not sharded"),  # b·s·V / tp · 4
+    ({"full_logit_bytes": 480}, "a number of logits, not of bytes"),  # b·s·V, no 4 bytes
+    ({"local_logit_bytes": 240}, "a number of logits, not of bytes"),  # b·s·V / tp
 ]
 
 
@@ -274,3 +288,83 @@ def test_predictions_pass_when_right_and_name_each_wrong_one(exercise, capsys, n
 def test_loss_bytes_refuses_a_malformed_list_before_any_rank():
     with pytest.raises(ExerciseError, match="one pair of ints per all-reduce"):
         ch08.loss_bytes({**RIGHT_LOSS, "all_reduce_bytes": [[..., ...]]})
+
+
+# Malformed predictions, refused before any rank starts: (a change to the right one, the hint)
+MALFORMED = {
+    "08a.1 counts and bytes": (
+        ch08.counts,
+        RIGHT_COUNTS,
+        [
+            ({"forward": "2"}, "`predicted['forward']` is '2' (str): give an int"),
+            ({"all_reduce_bytes": 1536.0}, "is 1536.0 (float): give an int"),
+            ({"backward": True}, "is True (bool): give an int"),
+            ({"all_gather_bytes": 768}, "give a list [bytes in, bytes out]"),
+            ({"all_gather_bytes": [768]}, "give [in, out]"),
+            ({"all_gather_bytes": [768, ...]}, "`predicted['all_gather_bytes'][1]` is still `...`"),
+            ({"all_gather_bytes": ["768", 1536]}, "[0] is '768': give an int"),
+        ],
+    ),
+    "08b.2 the bytes of loss parallelism": (
+        ch08.loss_bytes,
+        RIGHT_LOSS,
+        [
+            ({"local_logit_bytes": "960"}, "`predicted['local_logit_bytes']` is '960' (str)"),
+            ({"full_logit_bytes": 1920.0}, "is 1920.0 (float): give an int"),
+            ({"all_reduce_bytes": [["1536", 1536]]}, "one pair of ints per all-reduce"),
+            ({"all_reduce_bytes": 1536}, "give a list of [in, out] pairs"),
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("exercise", sorted(MALFORMED))
+def test_predictions_of_the_wrong_type_or_left_out_are_named_before_any_rank(exercise):
+    check, right, variants = MALFORMED[exercise]
+    for key in right:  # a key left out is missing, not None
+        left_out = {k: v for k, v in right.items() if k != key}
+        with pytest.raises(ExerciseError, match=f"^{exercise}: ") as err:
+            check(left_out)
+        assert f"`predicted[{key!r}]` is missing: add the key" in err.value.hint, err.value.hint
+    for wrong, hint in variants:
+        with pytest.raises(ExerciseError, match=f"^{exercise}: ") as err:
+            check({**right, **wrong})
+        assert hint in err.value.hint, err.value.hint
+    with pytest.raises(ExerciseError, match="`predicted` is not a dict"):
+        check([right])
+
+
+@pytest.mark.timeout(300)
+def test_bias_before_g_takes_one_name_and_names_a_malformed_prediction(
+    tmp_path, capsys, no_leftovers
+):
+    path = tmp_path / "ex08a_bias.py"
+    path.write_text(BIAS)
+    ch08.bias_before_g(str(path), {"wrong": "output", "bias_copies": 2})  # a set of one
+    assert "✓ 08a.3 bias before g: " in capsys.readouterr().out
+    for predicted, hint in [
+        ({"wrong": 1, "bias_copies": 2}, 'is 1 (int): give a set of names, e.g. {"output"}'),
+        ({"wrong": [["output"]], "bias_copies": 2}, 'give a set of names, e.g. {"output"}'),
+        ({"wrong": {"output"}, "bias_copies": "2"}, "`predicted['bias_copies']` is '2' (str)"),
+        ({"wrong": {"output"}}, "`predicted['bias_copies']` is missing: add the key"),
+    ]:
+        with pytest.raises(ExerciseError, match="^08a.3 bias before g: ") as err:
+            ch08.bias_before_g(str(path), predicted)
+        assert hint in err.value.hint, err.value.hint
+
+
+def test_block_plan_statement_names_the_checks_in_the_order_they_run(tmp_path, monkeypatch):
+    """The starter (an empty plan, every head kept) fails on the plan first, as 08b.1 says."""
+    import json
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    starter = PLAN.replace("    plan = {", "    plan = {}\n    _ = {").replace("CHANGE", "pass")
+    (tmp_path / "ex08b_plan.py").write_text(starter.replace("HEADS", "n_heads, n_kv_heads"))
+    with pytest.raises(ExerciseError, match="is not in your plan"):
+        ch08.block_plan()
+    nb = Path(__file__).parents[1] / "notebooks" / "08b_tp_mesh_and_cost.ipynb"
+    cells = json.loads(nb.read_text())["cells"]
+    text = next("".join(c["source"]) for c in cells if "### Exercise 08b.1" in "".join(c["source"]))
+    text = " ".join(text.split())
+    assert text.index("first reads your plan") < text.index("then tries `heads_per_rank`"), text

@@ -4,7 +4,7 @@ wider split block, and the bytes each one moves, before the chapter's worker cou
 
 from __future__ import annotations
 
-from mgtutorial.exercises._common import answered, passed, require, run_ranks
+from mgtutorial.exercises._common import answered, entry, passed, require, run_ranks
 from mgtutorial.tensor_parallel import config, worker
 
 
@@ -17,10 +17,17 @@ def counts(predicted: dict) -> None:
     Launches the chapter's worker (:func:`mgtutorial.tensor_parallel.worker.worker`) and compares.
     """
     ex = "08a.1 counts and bytes"
-    guess = {
-        k: answered(predicted.get(k), ex, f'predicted["{k}"]')
-        for k in ("forward", "backward", "all_reduce_bytes", "all_gather_bytes")
-    }
+    guess = {k: entry(predicted, k, ex, int, "an int") for k in ("forward", "backward")}
+    guess["all_reduce_bytes"] = entry(predicted, "all_reduce_bytes", ex, int, "an int")
+    pair = entry(predicted, "all_gather_bytes", ex, (list, tuple), "a list [bytes in, bytes out]")
+    require(len(pair) == 2, ex, f"predicted['all_gather_bytes'] is {pair!r}: give [in, out]")
+    for i, value in enumerate(pair):
+        answered(value, ex, f"predicted['all_gather_bytes'][{i}]")
+        require(
+            isinstance(value, int) and not isinstance(value, bool),
+            ex,
+            f"predicted['all_gather_bytes'][{i}] is {value!r}: give an int (bytes)",
+        )
     cfg = config.TPConfig(h=32, n_heads=8, batch=3, seq=4, extras=False)
     v = run_ranks(ex, worker.worker, cfg, 2, name="tp").values[0]
     block, dt, sp = (v[k]["counts"] for k in ("hand_block", "dtensor", "sequence_parallel"))
@@ -29,22 +36,25 @@ def counts(predicted: dict) -> None:
         require(
             guess[phase] == got,
             ex,
-            f"the split block did not issue {guess[phase]} all-reduces in {phase}: which "
-            "sublayers does a block hold, and where do their f and g sit (section 3)?",
+            f"you predicted {guess[phase]} all-reduce(s) in {phase}; the split block issued a "
+            "different number: which sublayers does a block hold, and where do their f and g sit "
+            "(section 3)?",
         )
     got = {n for n, _ in dt["bytes"]["all_reduce"]}.pop()
     require(
         guess["all_reduce_bytes"] == got,
         ex,
-        f"each all-reduce did not move {guess['all_reduce_bytes']} bytes: which tensor "
-        "does a row-parallel layer all-reduce, what is its shape, and how wide is float32?",
+        f"you predicted {guess['all_reduce_bytes']} bytes per all-reduce; the DTensor plan's "
+        "all-reduces moved a different number: which tensor does a row-parallel layer "
+        "all-reduce, what is its shape, and how wide is float32?",
     )
     got = sp["bytes"]["all_gather"][0]
     require(
-        list(guess["all_gather_bytes"]) == got,
+        list(pair) == got,
         ex,
-        f"each all-gather did not take and return {list(guess['all_gather_bytes'])} bytes: "
-        "what part of the sequence does a rank hold before the all-gather, and after (section 5)?",
+        f"you predicted all-gathers of {list(pair)} bytes [in, out]; the sequence-parallel "
+        "all-gathers moved other numbers: what part of the sequence does a rank hold before "
+        "the all-gather, and after (section 5)?",
     )
     passed(
         ex,

@@ -5,7 +5,7 @@ the learner's forward in the chapter's hand-split MLP on 2 ranks
 
 from __future__ import annotations
 
-from mgtutorial.exercises._common import answered, close, passed, require
+from mgtutorial.exercises._common import close, entry, passed, require
 from mgtutorial.exercises.ch08.split_mlp import run_split
 
 TOL = 1e-5
@@ -38,10 +38,13 @@ def bias_before_g(path: str = "ex08a_bias.py", predicted: dict | None = None) ->
         "the output differs from the unsplit one by something other than a multiple of b2: "
         "change only where b2 is added",
     )
-    predicted = predicted or {}
-    wrong, copies = (
-        answered(predicted.get(k), ex, f'predicted["{k}"]') for k in ("wrong", "bias_copies")
-    )
+    predicted = {} if predicted is None else predicted
+    a_set = 'a set of names, e.g. {"output"}'
+    wrong = entry(predicted, "wrong", ex, (str, set, frozenset, list, tuple), a_set)
+    wrong = {wrong} if isinstance(wrong, str) else wrong  # one name: a set of one
+    ok = all(isinstance(name, str) for name in wrong)
+    require(ok, ex, f"predicted['wrong'] is {wrong!r}: give {a_set}")
+    copies = entry(predicted, "bias_copies", ex, int, "an int")
     unknown = set(wrong) - set(NAMES)
     hint = f"predicted['wrong'] names {sorted(unknown)}: choose among {list(NAMES)}"
     require(not unknown, ex, hint)

@@ -5,7 +5,7 @@ before the ranks count them. Reached as ``ex.ch08.loss_bytes``.
 
 from __future__ import annotations
 
-from mgtutorial.exercises._common import answered, passed, require, run_ranks
+from mgtutorial.exercises._common import entry, passed, require, run_ranks
 from mgtutorial.runtime import env
 from mgtutorial.tensor_parallel import config, loss
 
@@ -14,6 +14,17 @@ SIZES = dict(h=32, n_heads=8, batch=3, seq=4)
 """The size the learner predicts for, on 2 ranks."""
 VOCAB = 40
 """The vocabulary: unlike h, so that an activation's bytes and the logits' bytes differ."""
+LOGITS = {
+    "local_logit_bytes": "how many logits does each token have, which dimension of the logits "
+    "is sharded, and into how many parts?",
+    "full_logit_bytes": "the whole logits are not sharded: how many tokens are there, how many "
+    "logits does each have, and how many bytes is one float32?",
+}
+"""Each logit count → its hint when the prediction is wrong."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def loss_worker(cfg: config.TPConfig) -> dict:
@@ -34,42 +45,40 @@ def loss_bytes(predicted: dict) -> None:
     ranks.
 
     Runs :func:`loss_worker` on 2 gloo ranks and compares with what ``CommDebugMode`` recorded."""
-    guess = {
-        k: answered(predicted.get(k), EX, f'predicted["{k}"]')
-        for k in ("all_reduce_bytes", "local_logit_bytes", "full_logit_bytes")
-    }
-    pairs = guess["all_reduce_bytes"]
+    pairs = entry(predicted, "all_reduce_bytes", EX, (list, tuple), "a list of [in, out] pairs")
     require(
-        isinstance(pairs, (list, tuple))
-        and all(isinstance(p, (list, tuple)) and len(p) == 2 and ... not in p for p in pairs),
+        all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(_is_int, p)) for p in pairs),
         EX,
-        f'predicted["all_reduce_bytes"] is {pairs!r}: give a list of [bytes in, bytes out], one '
+        f"predicted['all_reduce_bytes'] is {pairs!r}: give a list of [bytes in, bytes out], one "
         "pair of ints per all-reduce, in the order they run",
     )
+    guess = {k: entry(predicted, k, EX, int, "an int (bytes)") for k in LOGITS}
     cfg = config.TPConfig(**SIZES, backend="gloo")
     v = run_ranks(EX, loss_worker, cfg, 2, name="loss_bytes").values[0]
-    got, mine = v["bytes"]["all_reduce"], [list(p) for p in guess["all_reduce_bytes"]]
+    got, mine = v["bytes"]["all_reduce"], [list(p) for p in pairs]
     require(
         len(mine) == len(got),
         EX,
-        f"the loss did not run {len(mine)} all-reduces: which tensors cross the ranks, in "
-        "forward (the embedding's output; the cross-entropy's per-token numbers) and in "
-        "backward (section 4)?",
+        f"you predicted {len(mine)} all-reduces; the loss ran a different number: which tensors "
+        "cross the ranks, in forward (the embedding's output; the cross-entropy's per-token "
+        "numbers) and in backward (section 4)?",
     )
     for k, (want, have) in enumerate(zip(got, mine), start=1):
         require(
             want == have,
             EX,
-            f"all-reduce {k} of {len(got)} did not move {have} bytes in and out: which tensor "
-            "is it, of which shape, (b, s, h) or (b, s), and how wide is float32?",
+            f"you predicted {have} bytes for all-reduce {k} of {len(got)}; it moved other "
+            "numbers: which tensor is it, of which shape, (b, s, h) or (b, s), and how wide is "
+            "float32?",
         )
-    for key in ("local_logit_bytes", "full_logit_bytes"):
+    for key, hint in LOGITS.items():
+        said = f"you predicted {key} = {guess[key]}"
         require(
-            guess[key] == v[key],
+            guess[key] * 4 != v[key],  # the logits counted, not their bytes
             EX,
-            f"{key} is not {guess[key]}: how many logits does each token have, which dimension "
-            "of the logits is sharded, and into how many parts?",
+            f"{said}: a number of logits, not of bytes: how many bytes does one float32 take?",
         )
+        require(guess[key] == v[key], EX, f"{said}; the ranks hold a different number: {hint}")
     passed(
         EX,
         f"{len(got)} all-reduces of {got[0][0]} and {got[1][0]} bytes; a rank holds "

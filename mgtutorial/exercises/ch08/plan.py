@@ -197,9 +197,11 @@ def _check_heads(ex: str, fn) -> None:
         got = attempt(ex, fn, n_heads, n_kv, tp)
         call = f"heads_per_rank({n_heads}, {n_kv}, {tp})"
         require(
-            isinstance(got, (tuple, list)) and len(got) == 2,
+            isinstance(got, (tuple, list))
+            and len(got) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in got),
             ex,
-            f"{call} returned {got!r}, not a pair (query heads, key/value heads)",
+            f"{call} returned {got!r}, not a pair of ints (query heads, key/value heads)",
         )
         require(
             got[0] == want[0],

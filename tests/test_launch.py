@@ -17,7 +17,7 @@ import workers
 
 from mgtutorial import ddp, launch
 from mgtutorial.hello import HelloConfig, hello
-from mgtutorial.runtime import env, runlog, torchelastic
+from mgtutorial.runtime import env, launcher, runlog, torchelastic
 from mgtutorial.runtime.failure import WorkerFailed
 from mgtutorial.runtime.launcher import WorkerNotImportable
 
@@ -64,6 +64,13 @@ def test_interrupted_rank_ends_the_run(ranks, runs, no_leftovers):
         run.wait(timeout=40)
     assert info.value.rank in ranks and info.value.exc_type == "KeyboardInterrupt", str(info.value)
     assert run.status == "failed" and run.alive() == 0
+
+
+def test_more_ranks_than_the_fork_server_can_start_is_refused_before_start(runs):
+    n = launcher.FORKSERVER_MAX_RANKS + 1
+    with pytest.raises(ValueError, match=rf"nprocs={n}: .* start_method='spawn'"):
+        launch(hello, HelloConfig(), n, runs_dir=runs, start_method="forkserver")
+    assert not list(runs.iterdir()), "nothing may be started or created"
 
 
 def test_worker_from_main_is_refused_before_start(runs):

@@ -63,8 +63,19 @@ from mgtutorial.runtime import runlog
         (
             lambda: schedules.PipelineConfig(sizes=[8, 4]),
             ValueError,
-            r"2 stages but the MLP has only 1 sub-networks \(sizes=\[8, 4\]\): give at least 3 "
-            r"layer widths \(--sizes\), or run on fewer ranks \(--nproc 1\)",
+            r"2 stages \(2 ranks × 1\) but the MLP has only 1 sub-networks \(sizes=\[8, 4\]\): "
+            r"give at least 3 layer widths \(--sizes\), or run on fewer ranks \(--nproc 1\)",
+        ),
+        (  # interleaved: two stages per rank, so the fewer ranks are half the sub-networks
+            lambda: schedules.PipelineConfig(schedule="interleaved", sizes=[64, 32, 16, 8]),
+            ValueError,
+            r"4 stages \(2 ranks × 2\) but the MLP has only 3 sub-networks .*: give at least 5 "
+            r"layer widths \(--sizes\), or run on fewer ranks \(--nproc 1\)\.",
+        ),
+        (  # one sub-network: no number of ranks gives it two stages
+            lambda: schedules.PipelineConfig(schedule="interleaved", sizes=[8, 4]),
+            ValueError,
+            r"give at least 5 layer widths \(--sizes\)\.$",
         ),
         (lambda: schedules.PipelineConfig(steps=0), ValueError, "steps=0: must be at least 1"),
         (lambda: handoff.HandoffConfig(reps=2), ValueError, r"reps ≥ 3 \(got 2\)"),

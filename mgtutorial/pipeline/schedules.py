@@ -112,12 +112,14 @@ class PipelineConfig(Config):
             )
         if self.schedule == "interleaved":
             check_interleaved_microbatches(m, nprocs)
-        stages = nprocs * stages_per_rank(self)
-        if stages > len(self.sizes) - 1:
+        per_rank = stages_per_rank(self)
+        stages, parts = nprocs * per_rank, len(self.sizes) - 1
+        if stages > parts:
+            fewer = parts // per_rank  # the most ranks these sub-networks can give their stages
             raise ValueError(
-                f"{stages} stages but the MLP has only {len(self.sizes) - 1} sub-networks "
-                f"(sizes={self.sizes}): give at least {stages + 1} layer widths (--sizes), or "
-                f"run on fewer ranks (--nproc {len(self.sizes) - 1})."
+                f"{stages} stages ({nprocs} ranks × {per_rank}) but the MLP has only {parts} "
+                f"sub-networks (sizes={self.sizes}): give at least {stages + 1} layer widths "
+                f"(--sizes)" + (f", or run on fewer ranks (--nproc {fewer})." if fewer else ".")
             )
         rank_or_none(self, "fail_stage", stages, "stage")
         check_data_fits(self, nprocs)

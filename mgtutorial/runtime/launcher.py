@@ -179,7 +179,8 @@ def launch(
 
     Raises:
         ValueError, WorkerNotImportable, TypeError: see :func:`check_config`; a ``runs_dir``
-            that cannot be written; a taken ``master_port``; an unknown ``start_method``.
+            that cannot be written; a taken ``master_port``; an unknown ``start_method``; more
+            than :data:`FORKSERVER_MAX_RANKS` ranks from the fork server.
     """
     if backend and getattr(cfg, "backend", backend) != backend:
         raise ValueError(
@@ -191,6 +192,13 @@ def launch(
     ref, chosen = check_config(worker, cfg, nprocs, backend)
     check_writable_folder(runs_dir, "runs_dir (--runs-dir)")
     method = _start_method(start_method)
+    if method == "forkserver" and nprocs > FORKSERVER_MAX_RANKS:
+        raise ValueError(
+            f"nprocs={nprocs}: the fork server starts at most {FORKSERVER_MAX_RANKS} ranks "
+            "(each is sent every rank's result pipe, and one message carries at most ~250 file "
+            "descriptors): use fewer ranks, or start_method='spawn' "
+            f"({START_METHOD_ENV}=spawn)."
+        )
     listener = _listen(master_port)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_name = f"{name or ref.split(':')[0].rsplit('.', 1)[-1]}-{stamp}-{secrets.token_hex(2)}"
@@ -232,6 +240,11 @@ FORKSERVER_PRELOAD = (
     "sklearn.datasets",
     "sklearn.model_selection",
 )
+
+
+FORKSERVER_MAX_RANKS = 124
+"""The most ranks one forkserver launch starts on Linux (torch 2.14.1's ``start_processes`` sends
+each rank the result queues of all; 125 fail in ``sendmsg``, measured)."""
 
 
 def _start_method(requested: StartMethod | None) -> StartMethod:

@@ -42,7 +42,7 @@ test: $(STAMP) chromium  ## unit + multi-rank + end-to-end (JupyterLab in Chromi
 	$(PYTEST) tests notebooks --nbval-lax
 
 .PHONY: test-fast coverage coverage-report
-test-fast: $(STAMP)  ## the inner loop, about a minute: every test not marked slow (no notebook, no browser)
+test-fast: $(STAMP)  ## the inner loop, about two minutes: every test not marked slow (no notebook, no browser)
 	$(PYTEST) tests -m "not slow"
 
 test-unit: $(STAMP)
@@ -57,7 +57,9 @@ NB ?=
 test-notebook: $(STAMP)  ## one chapter under nbval: make test-notebook NB=02
 	@files="$$(ls notebooks/$(NB)_*.ipynb notebooks/$(NB)[a-z]_*.ipynb 2>/dev/null)"; \
 	if [ -z "$(NB)" ] || [ -z "$$files" ]; then \
-		echo "make test-notebook NB=<chapter>: NB=$(NB) names no notebooks/<NB>_*.ipynb (e.g. NB=02)"; \
+		chapters="$$(ls notebooks/*.ipynb | sed 's|^notebooks/||; s|_.*||' | tr '\n' ' ')"; \
+		echo "make test-notebook NB=<chapter>: NB=$(NB) names no notebooks/<NB>_*.ipynb;" \
+			"the chapters are $${chapters}(or a number alone for all its parts: NB=03)"; \
 		exit 2; \
 	fi; \
 	echo "$(PY) -m pytest -p no:cacheprovider --nbval-lax $(PYTEST_ARGS) $$files"; \

@@ -41,6 +41,8 @@ def _config_parser(sub, name: str, cls, help: str, func) -> None:
     add_config_options(p, cls)
     p.add_argument(
         "--nproc",
+        "--nprocs",  # check's spelling, accepted here too
+        dest="nproc",
         type=int,
         default=None,
         help="ranks to launch (default: one per GPU if ≥ 2 GPUs, else 2); ignored under torchrun",
@@ -52,7 +54,7 @@ def _config_parser(sub, name: str, cls, help: str, func) -> None:
         help="the run directory's name: under torchrun exactly this (refused if it holds an "
         "earlier run); launched from here, the start of <name>-<time>-<id> (default: the command)",
     )
-    p.set_defaults(func=func, config_class=cls)
+    p.set_defaults(func=func, config_class=cls, parser=p)
 
 
 def _run_under_torchrun(args, worker, cfg, name: str):
@@ -83,6 +85,8 @@ def _launch_locally(args, worker, cfg, name: str):
     from mgtutorial.runtime.launcher import launch
 
     nproc = env.default_nprocs() if args.nproc is None else args.nproc
+    if nproc < 1:  # named as this command spells it, not as launch() does (nprocs=)
+        raise ValueError(f"--nproc {nproc}: need at least 1 rank (try --nproc 2)")
     run = launch(worker, cfg, nproc, runs_dir=args.runs_dir, name=args.run_name or name)
     print(f"launched {nproc} rank(s) ({run.backend}); logs in {run.run_dir}")
     result = live.follow_terminal(run)
@@ -168,12 +172,12 @@ def _run_data(args) -> int:
     return 0
 
 
-def _check(p: argparse.ArgumentParser, args) -> int:
+def _check(args) -> int:
     cfg = config_from(args)
     try:
         cfg.validate()
     except ValueError as exc:
-        p.error(str(exc))  # a usage error (exit code 2), before any check runs
+        args.parser.error(str(exc))  # a usage error (exit code 2), before any check runs
     return laptop_check.main(cfg)
 
 
@@ -193,7 +197,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "check", help="the laptop check for the morning of a workshop: a pass/fail table"
     )
     add_config_options(p, laptop_check.CheckConfig)
-    p.set_defaults(func=lambda args: _check(p, args), config_class=laptop_check.CheckConfig)
+    p.set_defaults(func=_check, config_class=laptop_check.CheckConfig, parser=p)
     return parser
 
 
@@ -243,9 +247,9 @@ def _add_commands(sub, pipeline_too: bool = True) -> None:
         default=None,
         help="target folder (default $MGTUTORIAL_DATA or ~/.cache/mgtutorial/data)",
     )
-    p.set_defaults(func=_run_data)
+    p.set_defaults(func=_run_data, parser=p)
     p = sub.add_parser("describe", help="hardware and the choices the course makes on it")
-    p.set_defaults(func=_describe)
+    p.set_defaults(func=_describe, parser=p)
 
 
 def main_recorded() -> int:
@@ -262,22 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser(argv[0] if argv else None)
     except ImportError as exc:  # torch or psutil missing or broken: say where the diagnosis is
-        from mgtutorial.workshop.laptop_packages import outside_environment
+        from mgtutorial.workshop.laptop_packages import import_failed
 
-        if outside := outside_environment():  # a bare `python`: name the course's
-            print(
-                f"error: {type(exc).__name__}: {exc}\n{outside}: run `.venv/bin/python -m "
-                f"mgtutorial {' '.join(argv)}` (`make check` makes .venv on first use).",
-                file=sys.stderr,
-            )
-            return 1
-        print(
-            f"error: {type(exc).__name__}: {exc}\n`make check` (or `.venv/bin/python -m "
-            "mgtutorial check`) lists what is missing or broken and the command that fixes it.",
-            file=sys.stderr,
-        )
+        print(import_failed(exc, argv), file=sys.stderr)
         return 1
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused with the command's own usage line, not the top one (a partial list)
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args)
 
 

@@ -20,7 +20,11 @@ import typing
 
 from mgtutorial.common.config import choices
 
-ALIASES = {"timeout_s": ["--timeout"], "n_microbatches": ["--microbatches"]}
+ALIASES = {
+    "timeout_s": ["--timeout"],
+    "n_microbatches": ["--microbatches"],
+    "nprocs": ["--nproc"],  # the spelling of ddp, pipeline, hello and elastic, accepted by check
+}
 """Options whose names differ from their config field: field -> extra option names."""
 
 

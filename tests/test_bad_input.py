@@ -158,3 +158,15 @@ def test_data_root_that_is_a_file_is_named_not_the_network(tmp_path, capsys):
     assert main(["data", "cifar10", "--root", str(a_file)]) == 1
     err = capsys.readouterr().err
     assert f"{a_file} is a file, not a folder" in err and "network" not in err
+
+
+def test_the_cifar10_fetch_command_names_a_root_that_is_not_the_default(monkeypatch, tmp_path):
+    monkeypatch.setenv("MGTUTORIAL_DATA", str(tmp_path / "default"))
+    with pytest.raises(FileNotFoundError, match=r"data cifar10\n"):  # the default: no --root
+        data.check_available("cifar10", tmp_path / "default")
+    elsewhere = tmp_path / "else where"  # quoted, so the command runs as printed
+    with pytest.raises(FileNotFoundError) as refused:
+        data.check_available("cifar10", elsewhere)
+    assert f"    .venv/bin/python -m mgtutorial data cifar10 --root '{elsewhere}'\n" in str(
+        refused.value
+    )

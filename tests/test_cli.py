@@ -151,7 +151,7 @@ def test_cli_refuses_missing_cifar10_before_any_rank(tmp_path):
     assert (
         out.returncode == 1
         and "CIFAR-10 is not in" in out.stderr
-        and "python -m mgtutorial data cifar10" in out.stderr
+        and f"python -m mgtutorial data cifar10 --root {tmp_path / 'none'}\n" in out.stderr
     )
     assert not (tmp_path / "runs").exists()  # no run directory: no rank was started
 

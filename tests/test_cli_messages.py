@@ -172,3 +172,32 @@ def test_a_command_run_by_another_python_names_the_course_one(monkeypatch, capsy
     assert cli.main(["describe"]) == 1
     err = capsys.readouterr().err
     assert "this is /usr/bin/python3: run `.venv/bin/python -m mgtutorial describe`" in err
+
+
+@pytest.mark.parametrize("command", ["ddp", "pipeline", "hello", "elastic", "check"])
+def test_the_ranks_flag_takes_both_spellings_the_documented_one_first(command, capsys):
+    field = "nprocs" if command == "check" else "nproc"
+    for flag in ("--nproc", "--nprocs"):
+        assert getattr(build_parser(command).parse_args([command, flag, "3"]), field) == 3
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    first, second = ("--nprocs", "--nproc") if command == "check" else ("--nproc", "--nprocs")
+    assert f"{first} {field.upper()}, {second} {field.upper()}" in text
+
+
+def test_zero_ranks_is_refused_naming_the_commands_own_flag(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    assert cli.main(["hello", "--nprocs", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --nproc 0: need at least 1 rank") and "nprocs=" not in err
+
+
+@pytest.mark.parametrize("command", ["ddp", "check", "data"])
+def test_an_unknown_argument_shows_the_commands_own_usage(command, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main([command, *(["cifar10"] if command == "data" else []), "--bogus"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith(f"usage: python -m mgtutorial {command} ")
+    assert f"mgtutorial {command}: error: unrecognized arguments: --bogus" in err
+    assert "{" not in err.split("\n")[0].replace("{cifar10,digits}", "")  # no list of commands

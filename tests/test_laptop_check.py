@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 from check_table import ROWS, check, cli_env, run_cli
@@ -272,3 +273,24 @@ def test_unknown_requirements_or_a_broken_probe_are_fail_rows_not_tracebacks(mon
 def test_nprocs_that_is_not_a_positive_int_is_refused(nprocs, error, match):
     with pytest.raises(error, match=match):
         laptop_check.CheckConfig(nprocs=nprocs).validate()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc takes no new folder on Linux")
+def test_a_runs_dir_that_cannot_be_created_is_named_not_the_free_space():
+    row = laptop_machine.check_disk("/proc/nope")  # refused even to root, whom os.access lets by
+    assert row.status == "FAIL" and row.detail.startswith(
+        "--runs-dir /proc/nope: no folder can be created in /proc ("
+    )
+    assert "GiB" not in row.detail and "--runs-dir a folder you can write" in row.fix
+
+
+def test_the_timeout_says_it_does_not_count_the_ranks_launch(capsys):
+    from mgtutorial.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Seconds the ranks may take, once launched," in text and "is not counted" in text
+    workshop = (Path(__file__).resolve().parents[1] / "WORKSHOP.md").read_text()
+    row = next(r for r in workshop.splitlines() if r.startswith("| `2 ranks` |"))
+    assert "of their launch (the launch itself" in row and "is not counted" in row

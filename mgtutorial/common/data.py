@@ -17,6 +17,7 @@ Datasets (all images ``(3, 32, 32)`` float, standardised; labels int64 in 0…9)
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import socket
 import time
@@ -67,9 +68,12 @@ def check_available(
         check_writable_folder(root or data_root(), "data_root (--data-root, --root)")
         check_reachable(CIFAR10_URL)
         return
+    where = Path(root or data_root())
+    # the data command's --root when it is not the default, or the download lands elsewhere
+    to = "" if where.absolute() == data_root().absolute() else f" --root {shlex.quote(str(where))}"
     raise FileNotFoundError(
-        f"CIFAR-10 is not in {Path(root or data_root())}. Fetch it once (170 MB) with\n"
-        "    .venv/bin/python -m mgtutorial data cifar10\n"
+        f"CIFAR-10 is not in {where}. Fetch it once (170 MB) with\n"
+        f"    .venv/bin/python -m mgtutorial data cifar10{to}\n"
         "or pass download=True (--download on the command line); set MGTUTORIAL_DATA to keep "
         "it elsewhere. dataset='digits' (or 'auto') trains offline on real handwritten digits."
     )

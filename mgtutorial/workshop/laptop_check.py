@@ -68,11 +68,14 @@ class CheckConfig(Config):
     nprocs: int = 2
     """Ranks the rank check starts (2 as in most chapters; 4 for the 2×2 mesh of chapter 08b)."""
     timeout_s: float = 20.0
-    """Seconds the ranks may take to start, all-reduce and finish before the check fails."""
+    """Seconds the ranks may take, once launched, to all-reduce and finish before the check fails;
+    the launch itself (starting processes that import torch: seconds on a first run) is not
+    counted, so a slow laptop passes at the default."""
     master_port: int | None = None
     """Port on 127.0.0.1 for the ranks' rendezvous (default: one the operating system picks)."""
     runs_dir: str = "runs"
-    """Folder whose disk the free-space check measures (where the chapters write their runs)."""
+    """Folder the chapters write their runs to: the disk check fails when no folder can be created
+    there, and measures its disk's free space."""
     jupyter_path: list[str] | None = None
     """Jupyter data folders searched for the widget front end (default: Jupyter's data path)."""
 

@@ -188,8 +188,8 @@ def check_cifar10() -> Row:
 
 
 def check_disk(runs_dir: str, need_gib: float = 1.0) -> Row:
-    """Free space on the disk of ``runs_dir`` (or its nearest existing parent), and that it is
-    writable; under ``need_gib`` GiB is a warning, under a quarter of it a failure."""
+    """That ``runs_dir`` (or its nearest existing parent) takes a new folder, and the free space on
+    its disk: under ``need_gib`` GiB is a warning, under a quarter of it a failure."""
     where = Path(runs_dir).resolve()
     while not where.exists():
         where = where.parent
@@ -200,10 +200,18 @@ def check_disk(runs_dir: str, need_gib: float = 1.0) -> Row:
             f"{where} is a file, not a folder",
             "give --runs-dir a folder (or move the file)",
         )
+    try:  # a folder made and removed: os.access says yes to root, and /proc takes none
+        os.rmdir(tempfile.mkdtemp(prefix=".mgtutorial-check-", dir=where))
+    except OSError as exc:
+        return Row(
+            "disk",
+            FAIL,
+            f"--runs-dir {runs_dir}: no folder can be created in {where} ({exc.strerror})",
+            "give --runs-dir a folder you can write (the default, runs, is the course folder's), "
+            "or run the course from a folder you own",
+        )
     free = shutil.disk_usage(where).free / GiB
     detail = f"{free:.1f} GiB free at {where}"
-    if not os.access(where, os.W_OK):
-        return Row("disk", FAIL, detail + ", not writable", "run the course from a folder you own")
     if free < need_gib:
         return Row(
             "disk",

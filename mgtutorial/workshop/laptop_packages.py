@@ -58,6 +58,20 @@ def outside_environment() -> str:
     return ""
 
 
+def import_failed(exc: ImportError, argv: list[str]) -> str:
+    """What ``python -m mgtutorial <argv>`` prints when torch or psutil cannot be imported: where
+    the diagnosis is, or, in a bare ``python``, the course's interpreter to run instead."""
+    if outside := outside_environment():
+        return (
+            f"error: {type(exc).__name__}: {exc}\n{outside}: run `.venv/bin/python -m "
+            f"mgtutorial {' '.join(argv)}` (`make check` makes .venv on first use)."
+        )
+    return (
+        f"error: {type(exc).__name__}: {exc}\n`make check` (or `.venv/bin/python -m "
+        "mgtutorial check`) lists what is missing or broken and the command that fixes it."
+    )
+
+
 def pip_fix(spec: str, reinstall: bool = False) -> str:
     """The install command a fix line prints, online and from a wheel folder: for the course's
     ``.venv`` when it exists, else for this interpreter; none when this interpreter is not the

@@ -1,4 +1,4 @@
-"""Command line: ``python -m mgtutorial <command> ...``.
+"""Command line: ``python -m mgtutorial <command> [options]``.
 
 Commands::
 
@@ -32,7 +32,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from mgtutorial.cli_options import add_config_options, config_from
+from mgtutorial.cli_options import add_config_options, config_from, plain_text
 from mgtutorial.workshop import laptop_check
 
 
@@ -187,7 +187,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     other than ``pipeline`` does not import torch.distributed.pipelining (seconds per rank)."""
     parser = argparse.ArgumentParser(
         prog="python -m mgtutorial",
-        description=__doc__,
+        description=plain_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)

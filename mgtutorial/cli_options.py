@@ -92,3 +92,12 @@ def config_from(args: argparse.Namespace):
     """The config that parsed ``args`` describe: ``args.config_class`` built from its fields."""
     cls = args.config_class
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def plain_text(rst: str) -> str:
+    """A docstring as a terminal shows it: reST roles (``:func:`~a.b``` → ``b``), literal marks
+    and ``::`` removed."""
+    import re
+
+    text = re.sub(r":\w+:`~?([^`]+)`", lambda m: m.group(1).rsplit(".", 1)[-1], rst)
+    return text.replace("``", "").replace("::\n", ":\n")

@@ -146,6 +146,14 @@ def test_help_texts_say_one_thing(capsys):
     assert root.count("default") == 1
 
 
+def test_top_level_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and ":func:" not in text and ":class:" not in text
+    assert "(DDPConfig, PipelineConfig" in text and "Commands:\n" in text  # roles as names
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_diverging_run_from_the_shell_exits_non_zero(tmp_path):

@@ -78,18 +78,6 @@ def answered(value: Any, exercise: str, name: str = "answer") -> Any:
     return value
 
 
-def entry(predicted: Any, key: Any, exercise: str, kind: Any = object, what: str = "") -> Any:
-    """``predicted[key]``, :func:`answered`; raise if ``predicted`` is no dict or lacks ``key``,
-    or if the value is no ``kind`` (type or tuple; a bool only as ``object``): "give <what>"."""
-    name = f"predicted[{key!r}]"
-    require(isinstance(predicted, dict), exercise, "`predicted` is not a dict: give a dict")
-    require(key in predicted, exercise, f"`{name}` is missing: add the key {key!r} to the dict")
-    value = answered(predicted[key], exercise, name)
-    ok = isinstance(value, kind) and (kind is object or not isinstance(value, bool))
-    require(ok, exercise, f"`{name}` is {value!r} ({type(value).__name__}): give {what}")
-    return value
-
-
 def close(a: float, b: float, rel: float = 1e-6, abs_: float = 1e-9) -> bool:
     """``math.isclose`` that is False (not an error) for non-numbers."""
     try:

@@ -4,7 +4,8 @@ wider split block, and the bytes each one moves, before the chapter's worker cou
 
 from __future__ import annotations
 
-from mgtutorial.exercises._common import answered, entry, passed, require, run_ranks
+from mgtutorial.exercises._answers import entry, is_int
+from mgtutorial.exercises._common import answered, passed, require, run_ranks
 from mgtutorial.tensor_parallel import config, worker
 
 
@@ -23,11 +24,8 @@ def counts(predicted: dict) -> None:
     require(len(pair) == 2, ex, f"predicted['all_gather_bytes'] is {pair!r}: give [in, out]")
     for i, value in enumerate(pair):
         answered(value, ex, f"predicted['all_gather_bytes'][{i}]")
-        require(
-            isinstance(value, int) and not isinstance(value, bool),
-            ex,
-            f"predicted['all_gather_bytes'][{i}] is {value!r}: give an int (bytes)",
-        )
+        hint = f"predicted['all_gather_bytes'][{i}] is {value!r}: give an int (bytes)"
+        require(is_int(value), ex, hint)
     cfg = config.TPConfig(h=32, n_heads=8, batch=3, seq=4, extras=False)
     v = run_ranks(ex, worker.worker, cfg, 2, name="tp").values[0]
     block, dt, sp = (v[k]["counts"] for k in ("hand_block", "dtensor", "sequence_parallel"))

@@ -5,7 +5,8 @@ the learner's forward in the chapter's hand-split MLP on 2 ranks
 
 from __future__ import annotations
 
-from mgtutorial.exercises._common import close, entry, passed, require
+from mgtutorial.exercises._answers import entry
+from mgtutorial.exercises._common import close, passed, require
 from mgtutorial.exercises.ch08.split_mlp import run_split
 
 TOL = 1e-5

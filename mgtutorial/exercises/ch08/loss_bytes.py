@@ -5,7 +5,8 @@ before the ranks count them. Reached as ``ex.ch08.loss_bytes``.
 
 from __future__ import annotations
 
-from mgtutorial.exercises._common import entry, passed, require, run_ranks
+from mgtutorial.exercises._answers import entry, is_int
+from mgtutorial.exercises._common import passed, require, run_ranks
 from mgtutorial.runtime import env
 from mgtutorial.tensor_parallel import config, loss
 
@@ -21,10 +22,6 @@ LOGITS = {
     "logits does each have, and how many bytes is one float32?",
 }
 """Each logit count → its hint when the prediction is wrong."""
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def loss_worker(cfg: config.TPConfig) -> dict:
@@ -47,7 +44,7 @@ def loss_bytes(predicted: dict) -> None:
     Runs :func:`loss_worker` on 2 gloo ranks and compares with what ``CommDebugMode`` recorded."""
     pairs = entry(predicted, "all_reduce_bytes", EX, (list, tuple), "a list of [in, out] pairs")
     require(
-        all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(_is_int, p)) for p in pairs),
+        all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(is_int, p)) for p in pairs),
         EX,
         f"predicted['all_reduce_bytes'] is {pairs!r}: give a list of [bytes in, bytes out], one "
         "pair of ints per all-reduce, in the order they run",

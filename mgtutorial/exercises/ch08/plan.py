@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from mgtutorial.common import compare
+from mgtutorial.exercises._answers import is_int
 from mgtutorial.exercises._common import (
     ExerciseError,
     FileWorkerConfig,
@@ -197,9 +198,7 @@ def _check_heads(ex: str, fn) -> None:
         got = attempt(ex, fn, n_heads, n_kv, tp)
         call = f"heads_per_rank({n_heads}, {n_kv}, {tp})"
         require(
-            isinstance(got, (tuple, list))
-            and len(got) == 2
-            and all(isinstance(n, int) and not isinstance(n, bool) for n in got),
+            isinstance(got, (tuple, list)) and len(got) == 2 and all(map(is_int, got)),
             ex,
             f"{call} returned {got!r}, not a pair of ints (query heads, key/value heads)",
         )
